@@ -1,0 +1,49 @@
+"""graphfuse: ZeRO stage-1 data parallelism with tensor fusion, done by FX graph passes
+over one traced training step (forward, backward and optimizer update)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from graphfuse.capture import capture
+from graphfuse.errors import CheckpointError, CheckpointMismatchError, GraphfuseError, ProgramFormatError, UnsupportedError
+from graphfuse.layout import Bucket, BucketLayout
+from graphfuse.program import Program
+from graphfuse.runtime import DistModel
+from graphfuse.signature import Signature
+from graphfuse.strategy import Strategy
+
+__version__ = "0.1.0"
+
+
+def compile(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable,
+    example_batch,
+    strategy: Strategy | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> DistModel:
+    """Trace one training step of `model` and rewrite it into fused, sharded ZeRO-1 over
+    `group` (the default process group if initialised, else world size 1)."""
+    return DistModel(model, optimizer, loss_fn, example_batch, strategy=strategy, group=group)
+
+
+__all__ = [
+    "Bucket",
+    "BucketLayout",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "DistModel",
+    "GraphfuseError",
+    "Program",
+    "ProgramFormatError",
+    "Signature",
+    "Strategy",
+    "UnsupportedError",
+    "capture",
+    "compile",
+]

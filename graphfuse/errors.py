@@ -1,0 +1,21 @@
+"""The one exception hierarchy of graphfuse: every error names its subject and the way out."""
+
+
+class GraphfuseError(Exception):
+    """Base class of every error graphfuse raises on purpose."""
+
+
+class UnsupportedError(GraphfuseError):
+    """A model, optimizer or option graphfuse cannot compile (raised before any state changes)."""
+
+
+class CheckpointError(GraphfuseError):
+    """A checkpoint that cannot be saved or loaded; the live state is left untouched."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint that does not fit this model's layout (world size, buckets, shapes)."""
+
+
+class ProgramFormatError(GraphfuseError):
+    """A program file that is missing, truncated, altered, too new, or names an unknown operator."""

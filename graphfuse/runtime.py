@@ -1,0 +1,172 @@
+"""`DistModel`: owns the buckets, shards and buffers across steps, feeds the program one
+batch at a time, and writes its outputs back in place so every view stays valid."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from graphfuse import optim as gopt
+from graphfuse import signature as sig
+from graphfuse.capture import batch_key, capture
+from graphfuse.errors import UnsupportedError
+from graphfuse.layout import BucketLayout
+from graphfuse.passes import run_pipeline, verify
+from graphfuse.passes.sharded_update import MASTER
+from graphfuse.program import Program
+from graphfuse.strategy import Strategy
+
+log = logging.getLogger("graphfuse")
+
+
+def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int, str]:
+    """(group, world size, rank, group name); world size 1 with no process group."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0, ""
+        group = dist.group.WORLD
+    return group, dist.get_world_size(group), dist.get_rank(group), group.group_name
+
+
+class DistModel:
+    """A model, its optimizer and loss compiled into one fused, sharded training step.
+
+    `dm(batch)` runs one step and returns the loss. The model's parameters are views into
+    the buckets, so the model always shows the current weights; the learning rate (and
+    AdamW's weight decay) are read from `optimizer.param_groups` at every step.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable,
+        example_batch,
+        strategy: Strategy | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.strategy = strategy or Strategy()
+        self.group, self.world_size, self.rank, self.group_name = group_info(group)
+        program = self._build(example_batch)
+        self._bind(program)
+        self.steps = [0] * len(program.optim.groups)
+        self._programs: dict[tuple, tuple[Program, Callable]] = {batch_key(example_batch): (program, self._executable(program))}
+        self.program = program
+
+    @property
+    def layout(self) -> BucketLayout:
+        return self.program.layout
+
+    # ---- building -------------------------------------------------------------------
+    def _build(self, batch) -> Program:
+        program = capture(self.model, self.optimizer, self.loss_fn, batch, self.strategy)
+        program = program.with_(world_size=self.world_size, rank=self.rank, group_name=self.group_name)
+        program = run_pipeline(program)
+        return verify(program)
+
+    def _executable(self, program: Program) -> Callable:
+        if self.strategy.compile == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(program.graph_module, self._arguments(program, self._example_leaves))
+        return program.graph_module
+
+    def _bind(self, program: Program) -> None:
+        """Allocate buckets and shards, fill them from the model, and point the model's
+        parameters at their views in the buckets."""
+        layout, tensors = program.layout, {}
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for bucket in layout.buckets:
+                dtype = getattr(torch, bucket.dtype)
+                device = params[bucket.slots[0].fqn].device
+                flat = torch.zeros(bucket.size, dtype=dtype, device=device)
+                for s in bucket.slots:
+                    flat[s.offset : s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
+                if self.world_size > 1:  # every rank starts from rank 0's weights, as DDP does
+                    dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+                for s in bucket.slots:
+                    params[s.fqn].data = flat[s.offset : s.offset + s.numel].view(s.shape)
+                tensors[bucket.name] = flat
+            for spec in program.signature.inputs:
+                m = program.inputs_meta[spec.name]
+                if spec.role == sig.SHARD:
+                    bucket = layout.buckets[int(spec.name.split(".")[0].removeprefix("bucket"))]
+                    device = tensors[bucket.name].device
+                    if spec.name.endswith(f".{MASTER}"):
+                        lo, hi = bucket.shard_range(self.rank)
+                        tensors[spec.name] = tensors[bucket.name][lo:hi].to(getattr(torch, m.dtype), copy=True)
+                    else:
+                        tensors[spec.name] = torch.zeros(m.shape, dtype=getattr(torch, m.dtype), device=device)
+                elif spec.role == sig.FROZEN:
+                    tensors[spec.name] = params[spec.name].detach()
+                elif spec.role == sig.BUFFER:
+                    tensors[spec.name] = buffers[spec.name]
+                elif spec.role == sig.SCALAR:
+                    tensors[spec.name] = torch.zeros((), dtype=getattr(torch, m.dtype))
+        self.tensors: dict[str, torch.Tensor] = tensors
+        self._example_leaves: list[torch.Tensor] = []
+
+    # ---- running --------------------------------------------------------------------
+    def _arguments(self, program: Program, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        args, it = [], iter(leaves)
+        for spec in program.signature.inputs:
+            args.append(next(it) if spec.role == sig.BATCH else self.tensors[spec.name])
+        return args
+
+    def _program_for(self, batch) -> tuple[Program, Callable]:
+        key = batch_key(batch)
+        entry = self._programs.get(key)
+        if entry is None:
+            log.warning("graphfuse: the batch's shapes or dtypes differ from every traced one; re-capturing the step")
+            program = self._build(batch)
+            if program.layout.fingerprint != self.layout.fingerprint:
+                raise UnsupportedError(
+                    "re-capturing for the new batch gave a different bucket layout; keep the batch's "
+                    "shapes fixed, or pad batches to the example's shapes"
+                )
+            self._example_leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+            entry = self._programs[key] = (program, self._executable(program))
+        return entry
+
+    def _set_scalars(self, program: Program, steps: list[int]) -> None:
+        for g, (spec, group) in enumerate(zip(program.optim.groups, self.optimizer.param_groups)):
+            gopt.check_group_unchanged(spec, group, g)
+            lr = float(group["lr"])
+            values = spec.host_scalars(lr, float(group.get("weight_decay", 0.0)), steps[g])
+            for name, value in values.items():
+                self.tensors[f"group{g}.{name}"].fill_(value)
+
+    def __call__(self, batch) -> torch.Tensor:
+        program, fn = self._program_for(batch)
+        leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+        steps = [s + 1 for s in self.steps]
+        self._set_scalars(program, steps)
+        with torch.no_grad():
+            outs = fn(*self._arguments(program, leaves))
+            # Every output is computed before any state is written: a failed step changes nothing.
+            for spec, out in zip(program.signature.outputs, outs):
+                if spec.target is not None:
+                    self.tensors[spec.target].copy_(out)
+        self.steps = steps
+        return outs[0]
+
+    step = __call__
+
+    # ---- views ----------------------------------------------------------------------
+    def named_slices(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's `slice@<fqn>` views: the parameter's data in the bucket shard, and
+        `slice@<fqn>.<state>` in every state shard (and `.master`), padding excluded."""
+        for bucket in self.layout.buckets:
+            lo, _ = bucket.shard_range(self.rank)
+            shards = [n for n in self.tensors if n.startswith(bucket.name + ".")]
+            for s in bucket.slices(self.rank):
+                yield f"slice@{s.fqn}", self.tensors[bucket.name][lo + s.shard_start : lo + s.shard_end]
+                for name in shards:
+                    yield f"slice@{s.fqn}.{name.split('.', 1)[1]}", self.tensors[name][s.shard_start : s.shard_end]

@@ -1,0 +1,71 @@
+"""`Strategy`: the single configuration object of graphfuse."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from graphfuse.errors import UnsupportedError
+
+CHECKPOINT_MODES = ("unbalanced", "balanced")
+COMPILE_MODES = ("eager", "inductor")
+MASTER_DTYPES = (None, torch.float32)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a training step is fused, sharded, checkpointed and executed.
+
+    The defaults follow PaddlePaddle's sharding stage 1 with tensor fusion, except that
+    alignment is counted in bytes and buckets follow the order of the backward pass.
+    """
+
+    bucket_size_mb: float = 256.0
+    align_bytes: int = 256
+    checkpoint_mode: str = "unbalanced"
+    overlap: bool = True
+    master_dtype: torch.dtype | None = None
+    grad_accumulation: int = 1
+    max_grad_norm: float | None = None
+    compile: str = "eager"
+
+    def __post_init__(self) -> None:
+        if not self.bucket_size_mb > 0:
+            raise UnsupportedError(f"Strategy.bucket_size_mb must be > 0, got {self.bucket_size_mb}")
+        a = self.align_bytes
+        if not isinstance(a, int) or a <= 0 or a & (a - 1):
+            raise UnsupportedError(f"Strategy.align_bytes must be a power of two, got {a!r}")
+        if self.checkpoint_mode not in CHECKPOINT_MODES:
+            raise UnsupportedError(
+                f"Strategy.checkpoint_mode={self.checkpoint_mode!r}; choose one of {CHECKPOINT_MODES}"
+            )
+        if self.master_dtype not in MASTER_DTYPES:
+            raise UnsupportedError(
+                f"Strategy.master_dtype={self.master_dtype!r}; use None or torch.float32"
+            )
+        if not isinstance(self.grad_accumulation, int) or self.grad_accumulation < 1:
+            raise UnsupportedError(
+                f"Strategy.grad_accumulation must be an int >= 1, got {self.grad_accumulation!r}"
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise UnsupportedError(f"Strategy.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.compile not in COMPILE_MODES:
+            raise UnsupportedError(f"Strategy.compile={self.compile!r}; choose one of {COMPILE_MODES}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_size_mb * 2**20)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["master_dtype"] = None if self.master_dtype is None else str(self.master_dtype).removeprefix("torch.")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Strategy:
+        d = dict(d)
+        if d.get("master_dtype") is not None:
+            d["master_dtype"] = getattr(torch, d["master_dtype"])
+        return cls(**d)

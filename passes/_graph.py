@@ -1,0 +1,131 @@
+"""Small graph-editing helpers the passes share: inputs and outputs kept in step with the
+signature, node creation with a phase, and inlining a traced function."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphfuse import signature as sig
+from graphfuse.program import Program, TensorMeta
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def sanitize(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def add_input(program: Program, spec: sig.InputSpec, meta: TensorMeta) -> torch.fx.Node:
+    """A new placeholder after the last one, recorded in the signature and inputs_meta."""
+    graph = program.graph
+    last = placeholders(graph)[-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(sanitize(f"{spec.role}_{spec.name}"))
+    node.meta["gf_input"] = spec
+    program.inputs_meta[spec.name] = meta
+    return node
+
+
+def input_node(program: Program, role: str, name: str) -> torch.fx.Node:
+    spec = sig.InputSpec(role, name)
+    for n in placeholders(program.graph):
+        if n.meta["gf_input"] == spec:
+            return n
+    raise KeyError(f"no {role} input named {name!r}")
+
+
+def remove_input(program: Program, node: torch.fx.Node) -> None:
+    if node.users:
+        raise AssertionError(f"input {node.name} still has users {list(node.users)}")
+    program.inputs_meta.pop(node.meta["gf_input"].name, None)
+    program.graph.erase_node(node)
+
+
+def outputs(program: Program) -> list[tuple[sig.OutputSpec, torch.fx.Node]]:
+    return list(zip(program.signature.outputs, program.output_args()))
+
+
+def set_outputs(program: Program, pairs: list[tuple[sig.OutputSpec, torch.fx.Node]]) -> Program:
+    program.graph.output_node().args = (tuple(n for _, n in pairs),)
+    return program.with_(signature=program.signature.with_(outputs=tuple(s for s, _ in pairs)))
+
+
+def sync_inputs(program: Program) -> Program:
+    """Re-read the signature's inputs from the placeholders (after adding or removing some)."""
+    inputs = tuple(n.meta["gf_input"] for n in placeholders(program.graph))
+    return program.with_(signature=program.signature.with_(inputs=inputs))
+
+
+def call(graph: torch.fx.Graph, op, *args, phase: str, **kwargs) -> torch.fx.Node:
+    node = graph.call_function(op, args, kwargs)
+    node.meta["phase"] = phase
+    return node
+
+
+def flat_view(graph: torch.fx.Graph, node: torch.fx.Node, phase: str) -> torch.fx.Node:
+    return call(graph, aten.view.default, node, [-1], phase=phase)
+
+
+def inline(graph: torch.fx.Graph, fn: Callable, args: list[torch.fx.Node], metas: list[TensorMeta], phase: str):
+    """Trace `fn` on fake tensors shaped like `metas` and copy its ops into `graph` at the
+    current insertion point, with `args` in place of its inputs; returns fn's output nodes."""
+    mode = FakeTensorMode()
+    with mode:
+        fakes = [torch.empty(m.shape, dtype=getattr(torch, m.dtype)) for m in metas]
+    sub = make_fx(fn, tracing_mode="fake")(*fakes)
+    val_map = dict(zip(placeholders(sub.graph), args))
+    before = set(graph.nodes)
+    out = graph.graph_copy(sub.graph, val_map)
+    for n in graph.nodes:
+        if n not in before:
+            n.meta["phase"] = phase
+            n.meta.pop("val", None)
+    return out
+
+
+def position(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def mark(program: Program, key: str, node: torch.fx.Node) -> Program:
+    marks = dict(program.signature.marks)
+    marks[key] = node.name
+    return program.with_(signature=program.signature.with_(marks=marks))
+
+
+def marked(program: Program, key: str) -> torch.fx.Node:
+    return program.node(program.signature.marks[key])
+
+
+def eliminate_dead_code(program: Program) -> None:
+    """Dead-code elimination that keeps the values passes have marked for later passes."""
+    out = program.graph.output_node()
+    args = out.args
+    out.args = (tuple(args[0]) + tuple(program.node(n) for n in program.signature.marks.values()),)
+    program.graph.eliminate_dead_code()
+    out.args = args
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"
+
+
+def count_targets(program: Program) -> dict[str, int]:
+    """How many nodes call each op (by its overload packet name), for graph tests and reports."""
+    counts: dict[str, int] = {}
+    for n in program.graph.nodes:
+        if n.op == "call_function":
+            name = str(getattr(n.target, "_overloadpacket", n.target))
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -1,0 +1,34 @@
+"""Plan buckets: read each trainable parameter's shape, dtype, group and gradient order from
+the captured program and attach the `BucketLayout` (graphfuse.layout does the arithmetic)."""
+
+from __future__ import annotations
+
+from graphfuse import signature as sig
+from graphfuse.layout import ParamInfo, plan_buckets as plan
+from graphfuse.program import Program
+from ._graph import position
+
+
+def requires(program: Program) -> None:
+    assert program.layout is None, "buckets are already planned"
+    assert program.signature.names(sig.PARAM), "the program has no trainable parameter inputs"
+
+
+def run(program: Program) -> Program:
+    order = position(program.graph)
+    group_of = program.optim.group_of()
+    params = []
+    for fqn in program.signature.names(sig.PARAM):
+        m = program.inputs_meta[fqn]
+        params.append(ParamInfo(fqn, m.shape, m.dtype, m.device, group_of[fqn]))
+    # Backward produces the last layer's gradient first: that order fills the buckets.
+    grad_pos = {fqn: order[program.node(name)] for fqn, name in program.signature.grads.items()}
+    params.sort(key=lambda p: grad_pos[p.fqn])
+    s = program.strategy
+    layout = plan(params, program.world_size, s.align_bytes, s.bucket_bytes)
+    return program.with_(layout=layout)
+
+
+def ensures(program: Program) -> None:
+    fqns = program.layout.fqns
+    assert sorted(fqns) == sorted(program.signature.names(sig.PARAM)), "every parameter in exactly one bucket"

@@ -1,0 +1,47 @@
+"""Reduce-scatter gradients: pack each bucket's gradients (zero padding included) into one
+flat buffer and average it across ranks with ONE reduce_scatter_tensor, issued as soon as
+the bucket's last gradient exists. Marks `grad_shard:<bucket>` for the update."""
+
+from __future__ import annotations
+
+from graphfuse import signature as sig
+from graphfuse.program import Program
+from ._graph import aten, c10d, call, mark, position
+
+
+def requires(program: Program) -> None:
+    assert program.signature.names(sig.BUCKET), "fuse parameters first"
+
+
+def run(program: Program) -> Program:
+    graph, layout = program.graph, program.layout
+    world = layout.world_size
+    master = program.strategy.master_dtype
+    order = position(graph)
+    for bucket in layout.buckets:
+        grads = {fqn: program.node(program.signature.grads[fqn]) for fqn in bucket.fqns}
+        last = max(grads.values(), key=order.__getitem__)
+        with graph.inserting_before(last.next):
+            pieces = []
+            for slot in bucket.slots:
+                flat = call(graph, aten.view.default, grads[slot.fqn], [-1], phase=sig.COMM)
+                if slot.padded > slot.numel:
+                    flat = call(graph, aten.constant_pad_nd.default, flat, [0, slot.padded - slot.numel], 0.0, phase=sig.COMM)
+                pieces.append(flat)
+            packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, pieces, phase=sig.COMM)
+            if master is not None and bucket.dtype != str(master).removeprefix("torch."):
+                # Gradients are averaged in the master dtype: an average of bf16 values in bf16
+                # loses the low bits the fp32 master weights are there to keep.
+                packed = call(graph, aten._to_copy.default, packed, dtype=master, phase=sig.COMM)
+            shard = packed
+            if world > 1:
+                issued = call(graph, c10d.reduce_scatter_tensor.default, packed, "avg", world, program.group_name, phase=sig.COMM)
+                shard = call(graph, c10d.wait_tensor.default, issued, phase=sig.COMM)
+        program = mark(program, f"grad_shard:{bucket.name}", shard)
+    return program
+
+
+def ensures(program: Program) -> None:
+    n = sum(1 for x in program.graph.nodes if x.target is c10d.reduce_scatter_tensor.default)
+    expected = len(program.layout.buckets) if program.layout.world_size > 1 else 0
+    assert n == expected, f"{n} reduce-scatters for {len(program.layout.buckets)} buckets"

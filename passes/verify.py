@@ -1,0 +1,75 @@
+"""Verify a program: the graph is well formed, the signature matches the placeholders and
+outputs, every output fits the input it replaces, and fake propagation of the inputs'
+shapes and dtypes gives every output the shape and dtype it must have."""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from graphfuse import signature as sig
+from graphfuse.errors import GraphfuseError
+from graphfuse.program import Program
+from ._graph import placeholders
+
+
+class VerifyError(GraphfuseError):
+    """A pass produced a program that breaks an invariant (a bug in graphfuse)."""
+
+
+def fake_inputs(program: Program, mode: FakeTensorMode) -> list[torch.Tensor]:
+    out = []
+    with mode:
+        for spec in program.signature.inputs:
+            m = program.inputs_meta[spec.name]
+            out.append(torch.empty(m.shape, dtype=getattr(torch, m.dtype), device="meta" if m.device == "meta" else m.device))
+    return out
+
+
+def verify(program: Program, propagate: bool = True) -> Program:
+    graph = program.graph
+    graph.lint()
+    phs = placeholders(graph)
+    specs = program.signature.inputs
+    if [n.meta.get("gf_input") for n in phs] != list(specs):
+        raise VerifyError("the placeholders do not match the signature's inputs")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise VerifyError("two inputs share a name")
+    if set(names) != set(program.inputs_meta):
+        raise VerifyError(f"inputs_meta does not match the inputs: {set(names) ^ set(program.inputs_meta)}")
+    outs = program.output_args()
+    if len(outs) != len(program.signature.outputs):
+        raise VerifyError(f"{len(outs)} outputs for {len(program.signature.outputs)} output specs")
+    for spec in program.signature.outputs:
+        if (spec.role == sig.LOSS) != (spec.target is None):
+            raise VerifyError(f"output {spec.name}: only the loss has no target")
+        if spec.target is not None and spec.target not in program.inputs_meta:
+            raise VerifyError(f"output {spec.name} targets {spec.target}, which is not an input")
+    node_names = {n.name for n in graph.nodes}
+    for fqn, name in program.signature.grads.items():
+        if program.layout is None and name not in node_names:
+            raise VerifyError(f"the gradient of {fqn} names a missing node {name}")
+    for key, name in program.signature.marks.items():
+        if name not in node_names:
+            raise VerifyError(f"mark {key} names a missing node {name}")
+    if program.layout is not None:
+        fused = {s.name for s in specs if s.role == sig.BUCKET}
+        if fused and {s.role for s in specs} & {sig.PARAM, sig.STATE}:
+            raise VerifyError("a fused program still has per-parameter inputs")
+    if propagate:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        FakeTensorProp(program.graph_module, mode).propagate(*fake_inputs(program, mode))
+        for spec, node in zip(program.signature.outputs, outs):
+            val = node.meta.get("val")
+            if spec.target is None:
+                if val.numel() != 1:
+                    raise VerifyError(f"the loss has shape {tuple(val.shape)}")
+                continue
+            m = program.inputs_meta[spec.target]
+            if tuple(val.shape) != m.shape or str(val.dtype).removeprefix("torch.") != m.dtype:
+                raise VerifyError(
+                    f"output {spec.name} is {tuple(val.shape)} {val.dtype}, but its target {spec.target} is {m.shape} {m.dtype}"
+                )
+    return program
