@@ -40,10 +40,16 @@ def batch_key(batch) -> tuple:
     key = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            key.append((tuple(leaf.shape), leaf.dtype, leaf.device.type))
+            key.append(tensor_meta(leaf))
         else:
             key.append(("const", repr(leaf)))
     return (str(spec), tuple(key))
+
+
+def program_batch_key(program: Program) -> tuple:
+    """`batch_key` of the batches `program` was traced for (all batch leaves are tensors)."""
+    spec = pytree.treespec_loads(program.signature.batch_spec)
+    return (str(spec), tuple(program.inputs_meta[n] for n in program.signature.names(sig.BATCH)))
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
-from graphfuse.capture import batch_key, capture
+from graphfuse.capture import batch_key, capture, program_batch_key
 from graphfuse.errors import UnsupportedError
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import run_pipeline, verify
@@ -52,11 +52,54 @@ class DistModel:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.strategy = strategy or Strategy()
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
-        program = self._build(example_batch)
+        self._example_leaves = [x for x in pytree.tree_leaves(example_batch) if isinstance(x, torch.Tensor)]
+        self._start(self._build(example_batch), batch_key(example_batch))
+
+    @classmethod
+    def from_program(
+        cls,
+        program: Program,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: dist.ProcessGroup | None = None,
+    ) -> DistModel:
+        """Run a saved `program` (see gf.load_program) without tracing the model again.
+
+        `model` and `optimizer` are freshly built, as for gf.compile: the model's parameters
+        become views into the program's buckets and the optimizer's param groups give the
+        learning rate. Restore training state afterwards with gf.load or load_state_dict.
+        """
+        self = cls.__new__(cls)
+        self.model, self.optimizer, self.loss_fn = model, optimizer, None
+        self.strategy = program.strategy
+        self.group, self.world_size, self.rank, self.group_name = group_info(group)
+        if (self.world_size, self.rank) != (program.world_size, program.rank):
+            raise UnsupportedError(
+                f"the program was built for rank {program.rank} of {program.world_size}, but this process is "
+                f"rank {self.rank} of {self.world_size}; load the program saved by this rank, or rebuild with gf.compile"
+            )
+        params = dict(model.named_parameters())
+        for bucket in program.layout.buckets:
+            for s in bucket.slots:
+                p = params.get(s.fqn)
+                if p is None or tuple(p.shape) != s.shape or str(p.dtype).removeprefix("torch.") != bucket.dtype:
+                    raise UnsupportedError(
+                        f"the program expects parameter {s.fqn} of shape {s.shape} and dtype {bucket.dtype}; "
+                        f"the model has {None if p is None else (tuple(p.shape), p.dtype)}"
+                    )
+        if [g.params for g in program.optim.groups] != [
+            tuple(n for p in grp["params"] for n, q in params.items() if q is p and q.requires_grad) for grp in optimizer.param_groups
+        ]:
+            raise UnsupportedError("the optimizer's param groups do not hold the parameters the program was traced with")
+        self._example_leaves = []
+        self._start(program, program_batch_key(program))
+        return self
+
+    def _start(self, program: Program, key: tuple) -> None:
         self._bind(program)
         self.steps = [0] * len(program.optim.groups)
-        self._programs: dict[tuple, tuple[Program, Callable]] = {batch_key(example_batch): (program, self._executable(program))}
         self.program = program
+        self._programs: dict[tuple, tuple[Program, Callable]] = {key: (program, self._executable(program))}
 
     @property
     def layout(self) -> BucketLayout:
@@ -111,7 +154,6 @@ class DistModel:
                 elif spec.role == sig.SCALAR:
                     tensors[spec.name] = torch.zeros((), dtype=getattr(torch, m.dtype))
         self.tensors: dict[str, torch.Tensor] = tensors
-        self._example_leaves: list[torch.Tensor] = []
 
     # ---- running --------------------------------------------------------------------
     def _arguments(self, program: Program, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -123,6 +165,11 @@ class DistModel:
     def _program_for(self, batch) -> tuple[Program, Callable]:
         key = batch_key(batch)
         entry = self._programs.get(key)
+        if entry is None and self.loss_fn is None:
+            raise UnsupportedError(
+                f"this DistModel runs a loaded program traced for batches {next(iter(self._programs))}; "
+                f"the batch {key} differs, and without the model's loss_fn it cannot be traced again"
+            )
         if entry is None:
             log.warning("graphfuse: the batch's shapes or dtypes differ from every traced one; re-capturing the step")
             program = self._build(batch)
@@ -158,6 +205,19 @@ class DistModel:
         return outs[0]
 
     step = __call__
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def state_dict(self, mode: str | None = None) -> dict:
+        """The training state in checkpoint `mode` (default: strategy.checkpoint_mode)."""
+        from graphfuse import checkpoint
+
+        return checkpoint.state_dict(self, mode)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Copy `state_dict` into the live buffers, after validating all of it."""
+        from graphfuse import checkpoint
+
+        checkpoint.load_state_dict(self, state_dict)
 
     # ---- views ----------------------------------------------------------------------
     def named_slices(self) -> Iterator[tuple[str, torch.Tensor]]:
