@@ -8,10 +8,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from graphfuse.backend import ShardedOptimizer, shard_optimizer
 from graphfuse.capture import capture
 from graphfuse.errors import CheckpointError, CheckpointMismatchError, GraphfuseError, ProgramFormatError, UnsupportedError
 from graphfuse.layout import Bucket, BucketLayout
 from graphfuse.program import Program
+from graphfuse.program_io import load_program, save_program
 from graphfuse.runtime import DistModel
 from graphfuse.signature import Signature
 from graphfuse.strategy import Strategy
@@ -41,9 +43,11 @@ __all__ = [
     "GraphfuseError",
     "Program",
     "ProgramFormatError",
+    "ShardedOptimizer",
     "Signature",
     "Strategy",
     "UnsupportedError",
     "capture",
     "compile",
+    "shard_optimizer",
 ]

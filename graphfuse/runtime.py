@@ -32,6 +32,77 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | Non
     return group, dist.get_world_size(group), dist.get_rank(group), group.group_name
 
 
+def bind_tensors(
+    program: Program,
+    params: dict[str, torch.nn.Parameter],
+    buffers: dict[str, torch.Tensor],
+    group: dist.ProcessGroup | None,
+) -> dict[str, torch.Tensor]:
+    """Allocate the program's buckets and shards, fill them from `params`, and point every
+    parameter at its view in its bucket. Returns every persistent input by name."""
+    layout, tensors = program.layout, {}
+    buckets = {b.name: b for b in layout.buckets}
+    with torch.no_grad():
+        for bucket in layout.buckets:
+            device = params[bucket.slots[0].fqn].device
+            flat = torch.zeros(bucket.size, dtype=getattr(torch, bucket.dtype), device=device)
+            for s in bucket.slots:
+                flat[s.offset : s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
+            if layout.world_size > 1:  # every rank starts from rank 0's weights, as DDP does
+                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+            for s in bucket.slots:
+                params[s.fqn].data = flat[s.offset : s.offset + s.numel].view(s.shape)
+            tensors[bucket.name] = flat
+        for spec in program.signature.inputs:
+            m = program.inputs_meta[spec.name]
+            dtype = getattr(torch, m.dtype)
+            if spec.role == sig.SHARD:
+                bucket_name, what = spec.name.split(".", 1)
+                flat = tensors[bucket_name]
+                if what == MASTER:
+                    lo, hi = buckets[bucket_name].shard_range(program.rank)
+                    tensors[spec.name] = flat[lo:hi].to(dtype, copy=True)
+                else:
+                    tensors[spec.name] = torch.zeros(m.shape, dtype=dtype, device=flat.device)
+            elif spec.role == sig.FROZEN:
+                tensors[spec.name] = params[spec.name].detach()
+            elif spec.role == sig.BUFFER:
+                tensors[spec.name] = buffers[spec.name]
+            elif spec.role == sig.SCALAR:
+                tensors[spec.name] = torch.zeros((), dtype=dtype)  # host scalars stay on the CPU
+    return tensors
+
+
+def arguments(program: Program, tensors: dict[str, torch.Tensor], per_call: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The program's inputs in order: persistent tensors by name, and the per-call tensors
+    (batch leaves, or gradients for an update-only program) in their order."""
+    it = iter(per_call)
+    return [next(it) if spec.role in (sig.BATCH, sig.GRAD) else tensors[spec.name] for spec in program.signature.inputs]
+
+
+def run_step(
+    program: Program,
+    fn: Callable,
+    tensors: dict[str, torch.Tensor],
+    param_groups: list[dict],
+    steps: list[int],
+    per_call: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Fill the host scalars of step `steps`, run the program, and copy every output into the
+    input it replaces. All outputs exist before any state is written: a failed step changes nothing."""
+    for g, (spec, group) in enumerate(zip(program.optim.groups, param_groups)):
+        gopt.check_group_unchanged(spec, group, g)
+        values = spec.host_scalars(float(group["lr"]), float(group.get("weight_decay", 0.0)), steps[g])
+        for name, value in values.items():
+            tensors[f"group{g}.{name}"].fill_(value)
+    with torch.no_grad():
+        outs = fn(*arguments(program, tensors, per_call))
+        for spec, out in zip(program.signature.outputs, outs):
+            if spec.target is not None:
+                tensors[spec.target].copy_(out)
+    return outs
+
+
 class DistModel:
     """A model, its optimizer and loss compiled into one fused, sharded training step.
 
@@ -120,47 +191,13 @@ class DistModel:
         return program.graph_module
 
     def _bind(self, program: Program) -> None:
-        """Allocate buckets and shards, fill them from the model, and point the model's
-        parameters at their views in the buckets."""
-        layout, tensors = program.layout, {}
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
-        with torch.no_grad():
-            for bucket in layout.buckets:
-                dtype = getattr(torch, bucket.dtype)
-                device = params[bucket.slots[0].fqn].device
-                flat = torch.zeros(bucket.size, dtype=dtype, device=device)
-                for s in bucket.slots:
-                    flat[s.offset : s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
-                if self.world_size > 1:  # every rank starts from rank 0's weights, as DDP does
-                    dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
-                for s in bucket.slots:
-                    params[s.fqn].data = flat[s.offset : s.offset + s.numel].view(s.shape)
-                tensors[bucket.name] = flat
-            for spec in program.signature.inputs:
-                m = program.inputs_meta[spec.name]
-                if spec.role == sig.SHARD:
-                    bucket = layout.buckets[int(spec.name.split(".")[0].removeprefix("bucket"))]
-                    device = tensors[bucket.name].device
-                    if spec.name.endswith(f".{MASTER}"):
-                        lo, hi = bucket.shard_range(self.rank)
-                        tensors[spec.name] = tensors[bucket.name][lo:hi].to(getattr(torch, m.dtype), copy=True)
-                    else:
-                        tensors[spec.name] = torch.zeros(m.shape, dtype=getattr(torch, m.dtype), device=device)
-                elif spec.role == sig.FROZEN:
-                    tensors[spec.name] = params[spec.name].detach()
-                elif spec.role == sig.BUFFER:
-                    tensors[spec.name] = buffers[spec.name]
-                elif spec.role == sig.SCALAR:
-                    tensors[spec.name] = torch.zeros((), dtype=getattr(torch, m.dtype))
-        self.tensors: dict[str, torch.Tensor] = tensors
+        self.tensors: dict[str, torch.Tensor] = bind_tensors(program, params, buffers, self.group)
 
     # ---- running --------------------------------------------------------------------
     def _arguments(self, program: Program, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        args, it = [], iter(leaves)
-        for spec in program.signature.inputs:
-            args.append(next(it) if spec.role == sig.BATCH else self.tensors[spec.name])
-        return args
+        return arguments(program, self.tensors, leaves)
 
     def _program_for(self, batch) -> tuple[Program, Callable]:
         key = batch_key(batch)
@@ -182,25 +219,11 @@ class DistModel:
             entry = self._programs[key] = (program, self._executable(program))
         return entry
 
-    def _set_scalars(self, program: Program, steps: list[int]) -> None:
-        for g, (spec, group) in enumerate(zip(program.optim.groups, self.optimizer.param_groups)):
-            gopt.check_group_unchanged(spec, group, g)
-            lr = float(group["lr"])
-            values = spec.host_scalars(lr, float(group.get("weight_decay", 0.0)), steps[g])
-            for name, value in values.items():
-                self.tensors[f"group{g}.{name}"].fill_(value)
-
     def __call__(self, batch) -> torch.Tensor:
         program, fn = self._program_for(batch)
         leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
         steps = [s + 1 for s in self.steps]
-        self._set_scalars(program, steps)
-        with torch.no_grad():
-            outs = fn(*self._arguments(program, leaves))
-            # Every output is computed before any state is written: a failed step changes nothing.
-            for spec, out in zip(program.signature.outputs, outs):
-                if spec.target is not None:
-                    self.tensors[spec.target].copy_(out)
+        outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, leaves)
         self.steps = steps
         return outs[0]
 

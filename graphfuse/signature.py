@@ -14,9 +14,10 @@ BUFFER = "buffer"  # a module buffer (may be updated by the forward)
 STATE = "state"  # an optimizer state of one parameter (name "<fqn>.<state>")
 SCALAR = "scalar"  # a per-step host scalar of one param group (name "group<g>.<kind>")
 BATCH = "batch"  # one leaf of the batch pytree (name "batch.<i>")
+GRAD = "grad"  # a parameter's gradient, in update-only programs (gf.shard_optimizer)
 BUCKET = "bucket"  # a flat parameter bucket (name "bucket<b>"), after fusion
 SHARD = "shard"  # this rank's shard of a bucket's state (name "bucket<b>.<state>")
-INPUT_ROLES = (PARAM, FROZEN, BUFFER, STATE, SCALAR, BATCH, BUCKET, SHARD)
+INPUT_ROLES = (PARAM, FROZEN, BUFFER, STATE, SCALAR, BATCH, GRAD, BUCKET, SHARD)
 
 # Output roles; every output but the loss names the input it replaces (`target`).
 LOSS = "loss"
