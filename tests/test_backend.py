@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
+from graphfuse.passes._graph import count_targets
 
 import graphfuse as gf
-from graphfuse.passes._graph import count_targets
 
 
 def _mlp() -> torch.nn.Module:
