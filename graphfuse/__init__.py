@@ -49,5 +49,7 @@ __all__ = [
     "UnsupportedError",
     "capture",
     "compile",
+    "load_program",
+    "save_program",
     "shard_optimizer",
 ]
