@@ -19,7 +19,7 @@ from graphfuse.errors import UnsupportedError
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.passes._graph import sanitize
 from graphfuse.program import Program
-from graphfuse.runtime import bind_tensors, group_info, run_step
+from graphfuse.runtime import bind_tensors, compile_in_place, group_info, run_step
 from graphfuse.strategy import Strategy
 
 log = logging.getLogger("graphfuse")
@@ -131,9 +131,7 @@ class ShardedOptimizer:
         self.steps = [0] * len(self.program.optim.groups)
         self._fn = self.program.graph_module
         if strategy.compile == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            self._fn = compile_fx(self._fn, self._inputs())
+            self._fn = compile_in_place(self.program, self._inputs())
 
     @property
     def param_groups(self) -> list[dict]:

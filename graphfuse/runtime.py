@@ -3,6 +3,7 @@ batch at a time, and writes its outputs back in place so every view stays valid.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterator
 
@@ -97,10 +98,37 @@ def run_step(
             tensors[f"group{g}.{name}"].fill_(value)
     with torch.no_grad():
         outs = fn(*arguments(program, tensors, per_call))
-        for spec, out in zip(program.signature.outputs, outs):
-            if spec.target is not None:
-                tensors[spec.target].copy_(out)
+        if not getattr(fn, "writes_in_place", False):
+            for spec, out in zip(program.signature.outputs, outs):
+                if spec.target is not None:
+                    tensors[spec.target].copy_(out)
     return outs
+
+
+def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Callable:
+    """Compile the program with inductor after appending `copy_` of every output into the input
+    it replaces, so inductor writes new buckets and shards straight into their storage (one
+    read and one write per element) instead of returning new tensors the runtime must copy."""
+    from torch._inductor.compile_fx import compile_fx
+
+    gm = torch.fx.GraphModule(program.graph_module, copy.deepcopy(program.graph))
+    graph = gm.graph
+    inputs = {s.name: n for s, n in zip(program.signature.inputs, (n for n in graph.nodes if n.op == "placeholder"))}
+    out = graph.output_node()
+    results = list(out.args[0])
+    with graph.inserting_before(out):
+        for spec, node in zip(program.signature.outputs, results):
+            if spec.target is not None:
+                graph.call_function(torch.ops.aten.copy_.default, (inputs[spec.target], node))
+    out.args = (tuple(r for s, r in zip(program.signature.outputs, results) if s.target is None),)
+    gm.recompile()
+    compiled = compile_fx(gm, example_inputs)
+
+    def run(*args):
+        return compiled(*args)
+
+    run.writes_in_place = True
+    return run
 
 
 class DistModel:
@@ -185,9 +213,7 @@ class DistModel:
 
     def _executable(self, program: Program) -> Callable:
         if self.strategy.compile == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(program.graph_module, self._arguments(program, self._example_leaves))
+            return compile_in_place(program, self._arguments(program, self._example_leaves))
         return program.graph_module
 
     def _bind(self, program: Program) -> None:
