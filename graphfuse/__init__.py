@@ -34,6 +34,20 @@ def compile(
     return DistModel(model, optimizer, loss_fn, example_batch, strategy=strategy, group=group)
 
 
+def save(dm: DistModel, path, mode: str | None = None, extra: dict | None = None) -> None:
+    """Save `dm`'s training state to directory `path` (atomic; see graphfuse.checkpoint)."""
+    from graphfuse import checkpoint
+
+    checkpoint.save(dm, path, mode=mode, extra=extra)
+
+
+def load(dm: DistModel, path):
+    """Load the checkpoint at `path` into `dm` in place; returns the `extra` saved with it."""
+    from graphfuse import checkpoint
+
+    return checkpoint.load(dm, path)
+
+
 __all__ = [
     "Bucket",
     "BucketLayout",
@@ -49,7 +63,9 @@ __all__ = [
     "UnsupportedError",
     "capture",
     "compile",
+    "load",
     "load_program",
+    "save",
     "save_program",
     "shard_optimizer",
 ]

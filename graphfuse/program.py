@@ -13,6 +13,7 @@ from graphfuse.strategy import Strategy
 
 if TYPE_CHECKING:
     from graphfuse.layout import BucketLayout
+    from graphfuse.passes.serializer import StatePlan
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Program:
     world_size: int = 1
     rank: int = 0
     group_name: str = ""  # the process group the collectives in the graph run on
+    state_plan: StatePlan | None = None  # how state is saved and loaded (the serializer pass)
 
     def with_(self, **changes) -> Program:
         return replace(self, **changes)

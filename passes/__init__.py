@@ -8,7 +8,7 @@ from types import ModuleType
 
 from graphfuse.program import Program
 
-from . import all_gather, clip_grad_norm, fuse_params, overlap, plan_buckets, reduce_scatter, sharded_update
+from . import all_gather, clip_grad_norm, fuse_params, overlap, plan_buckets, reduce_scatter, serializer, sharded_update
 from ._graph import eliminate_dead_code
 from .verify import verify
 
@@ -22,6 +22,7 @@ PIPELINE: list[ModuleType] = [
     sharded_update,  # one fused optimizer update per bucket shard
     all_gather,  # one all-gather per bucket back into the bucket
     overlap,  # wait for each collective only where its result is first used
+    serializer,  # the save and load plan of both checkpoint modes
 ]
 
 
