@@ -42,9 +42,12 @@ def test_eager_program_on_cuda_matches_torch_optim():
     dm = gf.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), gpt_loss, batches[0])
     assert all(t.is_cuda for n, t in dm.tensors.items() if n.startswith("bucket"))
     losses = [dm(b) for b in batches]
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=0, atol=1e-6)
+    # Not bitwise on CUDA (measured on an H200: params within 7e-6 after 8 steps): the CUDA
+    # kernels of add(alpha=) and addcmul contract multiply-adds differently, and Adam's
+    # normalisation magnifies tiny differences where a gradient is near zero.
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=0, atol=1e-5)
     for a, b in zip(ref.parameters(), model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=3e-5)
 
 
 def test_inductor_program_on_cuda_writes_buckets_in_place():
