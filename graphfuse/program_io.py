@@ -264,6 +264,9 @@ def _graph_from_json(nodes, constants: dict[str, torch.Tensor]) -> torch.fx.Grap
         try:
             args = tuple(dec.value(a) for a in rec["args"])
             kwargs = {k: dec.value(v) for k, v in rec["kwargs"].items()}
+            for k in kwargs:  # FX writes `name=value` into the generated code
+                if not k.isidentifier() or keyword.iskeyword(k):
+                    raise _Malformed(f"keyword argument name {_short(k)} is not a Python identifier")
             if op == "call_function":
                 target = resolve_target(target)
             elif op in ("placeholder", "get_attr"):
@@ -292,7 +295,10 @@ def _graph_from_json(nodes, constants: dict[str, torch.Tensor]) -> torch.fx.Grap
         graph.lint()
     except RuntimeError as e:
         raise _Malformed(f"the graph is not well formed: {e}") from None
-    return torch.fx.GraphModule(attrs, graph, class_name="GraphfuseProgram")
+    try:
+        return torch.fx.GraphModule(attrs, graph, class_name="GraphfuseProgram")
+    except (RuntimeError, SyntaxError, TypeError, ValueError) as e:
+        raise _Malformed(f"FX cannot generate code for the graph ({type(e).__name__}: {_short(e)})") from None
 
 
 def _meta_from_json(meta, dec: _Decoder) -> dict:
@@ -573,12 +579,37 @@ def load_program(path: str | os.PathLike) -> Program:
         if isinstance(e, ProgramFormatError):
             raise
         raise ProgramFormatError(f"{path / PROGRAM}: invalid program metadata ({type(e).__name__}: {_short(e)})") from None
+    return _verified(program, path)
+
+
+def _shapes(val):
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), val.dtype)
+    if isinstance(val, (list, tuple)):
+        return [_shapes(v) for v in val]
+    return val
+
+
+def _verified(program: Program, path: Path) -> Program:
+    """Verify the program, and run it on fake tensors: every operator must accept its
+    arguments and give the shape and dtype the file's meta records."""
     from graphfuse.passes.verify import verify
 
     try:
-        return verify(program, propagate=False)
+        verify(program, propagate=False)
     except GraphfuseError as e:
         raise ProgramFormatError(f"{path}: the graph and the program metadata disagree: {e}") from None
+    recorded = {n: _shapes(n.meta["val"]) for n in program.graph.nodes if "val" in n.meta}
+    try:
+        verify(program, propagate=True)
+    except Exception as e:  # whatever an operator raises on arguments it does not accept
+        raise ProgramFormatError(f"{path / GRAPH}: the graph does not run on fake tensors ({type(e).__name__}: {_short(e)})") from None
+    for node, shapes in recorded.items():
+        if _shapes(node.meta.get("val")) != shapes:
+            raise ProgramFormatError(
+                f"{path / GRAPH}: node {node.name}: meta records {shapes}, its operator gives {_shapes(node.meta.get('val'))}"
+            )
+    return program
 
 
 # ---- the `graphfuse program info` command ----------------------------------------------

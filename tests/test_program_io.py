@@ -103,9 +103,22 @@ def _round_trip(rank: int, world_size: int, tmp: str) -> dict:
     return collectives
 
 
+def _round_trip_and_fixture(rank: int, world_size: int, tmp: str) -> tuple[dict, list[float]]:
+    return _round_trip(rank, world_size, tmp), _run_fixture(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[tuple[dict, list[float]]]:
+    """The 2-rank round trip and the committed 2-rank fixture, in one spawn of ranks."""
+    return run_ranks(_round_trip_and_fixture, 2, str(tmp_path_factory.mktemp("two_ranks")))
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_loaded_program_equals_original_and_trains_bitwise(world_size, tmp_path):
-    results = run_ranks(_round_trip, world_size, str(tmp_path))
+def test_loaded_program_equals_original_and_trains_bitwise(world_size, tmp_path, request):
+    if world_size == 2:
+        results = [r for r, _ in request.getfixturevalue("two_ranks")]
+    else:
+        results = run_ranks(_round_trip, world_size, str(tmp_path))
     for counts in results:  # the collectives went through the file, and ran
         assert (counts["gpt"] > 0) == (counts["mlp"] > 0) == (world_size > 1)
 
@@ -260,6 +273,7 @@ def test_code_in_names_and_targets_is_refused_and_never_run(saved, tmp_path):
         "placeholder target": lambda nodes: first(nodes, "placeholder").update(target=code),
         "node name": lambda nodes: first(nodes, "call_function").update(name=code),
         "get_attr target": lambda nodes: first(nodes, "get_attr").update(target=code),
+        "kwarg name": lambda nodes: first(nodes, "call_function")["kwargs"].update({code: {"int": 1}}),
         "dtype": lambda nodes: first(nodes, "call_function")["args"].append({"dtype": "save"}),
         "value type": lambda nodes: first(nodes, "call_function")["args"].append({"pickle": "gASV"}),
     }
@@ -269,6 +283,25 @@ def test_code_in_names_and_targets_is_refused_and_never_run(saved, tmp_path):
         with pytest.raises(gf.ProgramFormatError, match=r"graph\.json"):
             gf.load_program(path)
         assert not marker.exists(), what
+
+
+def test_arguments_an_operator_rejects_are_refused(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    edit_graph(path, lambda nodes: first(nodes, "call_function")["args"].append({"str": "surplus"}))
+    with pytest.raises(gf.ProgramFormatError, match=r"graph\.json: the graph does not run on fake tensors"):
+        gf.load_program(path)
+
+
+def test_meta_that_disagrees_with_the_operator_is_refused(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+
+    def edit(nodes):
+        node = next(n for n in nodes if n["target"] == "aten.mm.default")
+        node["meta"]["val"]["tensor"]["shape"][0] += 1
+
+    edit_graph(path, edit)
+    with pytest.raises(gf.ProgramFormatError, match=r"graph\.json: node mm.*: meta records"):
+        gf.load_program(path)
 
 
 def test_metadata_that_disagrees_with_the_graph_is_refused(saved, tmp_path):
@@ -308,9 +341,10 @@ def _run_fixture(rank: int, world_size: int) -> list[float]:
     return losses
 
 
-def test_committed_fixture_program_loads_and_trains():
+def test_committed_fixture_program_loads_and_trains(two_ranks):
     expected = json.loads((FIXTURE / "expected.json").read_text())
-    losses = run_ranks(_run_fixture, expected["world_size"])
+    assert expected["world_size"] == 2
+    losses = [fixture_losses for _, fixture_losses in two_ranks]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected["losses"]))
 
 
