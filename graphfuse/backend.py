@@ -159,6 +159,7 @@ class ShardedOptimizer:
         steps = [s + 1 for s in self.steps]
         run_step(self.program, self._fn, self.tensors, self.optimizer.param_groups, steps, self._grads())
         self.steps = steps
+        self.optimizer._opt_called = True  # the optimizer has stepped: LR schedulers check this
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params.values():

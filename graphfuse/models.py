@@ -76,10 +76,14 @@ def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 
 def synthetic_tokens(cfg: GPTConfig, batch_size: int, steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Deterministic random token batches: (tokens, tokens shifted by one)."""
+    """Deterministic batches of (tokens, tokens shifted by one) that a model can learn: each
+    sequence counts up from a random start with a random stride of 1 to 4 (mod vocab_size)."""
     g = torch.Generator().manual_seed(seed)
     out = []
+    positions = torch.arange(cfg.block_size + 1)
     for _ in range(steps):
-        seq = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=g)
+        start = torch.randint(0, cfg.vocab_size, (batch_size, 1), generator=g)
+        stride = torch.randint(1, 5, (batch_size, 1), generator=g)
+        seq = (start + stride * positions) % cfg.vocab_size
         out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
     return out

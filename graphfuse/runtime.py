@@ -251,6 +251,7 @@ class DistModel:
         steps = [s + 1 for s in self.steps]
         outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, leaves)
         self.steps = steps
+        self.optimizer._opt_called = True  # the optimizer has stepped: LR schedulers check this
         return outs[0]
 
     step = __call__
