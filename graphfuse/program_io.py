@@ -183,7 +183,7 @@ def target_name(target) -> str | None:
 
 def resolve_target(name) -> Any:
     """The call target named `name`, looked up only in the allowlist (no import, no eval)."""
-    if name in BUILTINS:
+    if isinstance(name, str) and name in BUILTINS:
         return BUILTINS[name]
     parts = name.split(".") if isinstance(name, str) else []
     if len(parts) != 3 or parts[0] not in OP_NAMESPACES or not all(_IDENT.match(p) and not p.startswith("__") for p in parts):
@@ -415,12 +415,19 @@ def _program_from_json(d, gm: torch.fx.GraphModule) -> Program:
     for s in signature.inputs:
         if s.role not in sig.INPUT_ROLES:
             raise _Malformed(f"input {s.name!r} has unknown role {s.role!r}")
+    for what, mapping in (("grads", signature.grads), ("aliases", signature.aliases), ("marks", signature.marks)):
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+            raise _Malformed(f"signature.{what} must map strings to strings")
+    if not isinstance(signature.batch_spec, str):
+        raise _Malformed("signature.batch_spec must be a string")
     if signature.batch_spec:
         torch.utils._pytree.treespec_loads(signature.batch_spec)  # raises on a malformed spec
+    if d["optim"]["cls_name"] not in ("AdamW", "Adam", "SGD"):
+        raise _Malformed(f"unknown optimizer {_short(d['optim']['cls_name'])}")
     groups = []
     for g in d["optim"]["groups"]:
         groups.append(GroupSpec(**{**g, "params": tuple(g["params"])}))
-    optim = OptimSpec(str(d["optim"]["cls_name"]), tuple(groups))
+    optim = OptimSpec(d["optim"]["cls_name"], tuple(groups))
     inputs_meta = {}
     for name, m in d["inputs_meta"].items():
         meta = TensorMeta.from_json(m)
@@ -438,6 +445,16 @@ def _program_from_json(d, gm: torch.fx.GraphModule) -> Program:
             _dtype(b.dtype)
         if layout.fingerprint != d["layout_fingerprint"]:
             raise _Malformed(f"layout fingerprint {layout.fingerprint} is not the recorded {d['layout_fingerprint']}")
+    world_size, rank, group_name, passes = d["world_size"], d["rank"], d["group_name"], d["passes"]
+    if type(world_size) is not int or type(rank) is not int or not 0 <= rank < world_size:
+        raise _Malformed(f"rank {rank!r} of world size {world_size!r} is not a rank of that world")
+    if not isinstance(group_name, str) or not (isinstance(passes, list) and all(isinstance(p, str) for p in passes)):
+        raise _Malformed("group_name must be a string and passes a list of strings")
+    if layout is None and signature.names(sig.BUCKET) or layout is not None and layout.world_size != world_size:
+        raise _Malformed(f"the bucket layout does not fit the program (world size {world_size}, {len(signature.names(sig.BUCKET))} buckets)")
+    extra = d.get("extra", {})
+    if not isinstance(extra, dict):
+        raise _Malformed("extra must be an object")
     fields = dict(
         graph_module=gm,
         signature=signature,
@@ -445,12 +462,11 @@ def _program_from_json(d, gm: torch.fx.GraphModule) -> Program:
         inputs_meta=inputs_meta,
         strategy=Strategy.from_json(strategy),
         layout=layout,
-        passes=tuple(str(p) for p in d["passes"]),
-        world_size=int(d["world_size"]),
-        rank=int(d["rank"]),
-        group_name=str(d["group_name"]),
+        passes=tuple(passes),
+        world_size=world_size,
+        rank=rank,
+        group_name=group_name,
     )
-    extra = d.get("extra", {})
     for name in _extra_fields():
         if name in extra:
             fields[name] = _extra_from_json(name, extra[name])
@@ -571,11 +587,12 @@ def load_program(path: str | os.PathLike) -> Program:
         if not isinstance(graph_doc, dict) or set(graph_doc) != {"nodes"}:
             raise _Malformed("the top level must be {\"nodes\": [...]}")
         gm = _graph_from_json(graph_doc["nodes"], constants)
-    except (_Malformed, RecursionError) as e:
-        raise ProgramFormatError(f"{path / GRAPH}: {e}") from None
+    except (_Malformed, RecursionError, LookupError, TypeError, ValueError, AttributeError) as e:
+        what = str(e) if isinstance(e, _Malformed) else f"malformed ({type(e).__name__}: {_short(e)})"
+        raise ProgramFormatError(f"{path / GRAPH}: {what}") from None
     try:
         program = _program_from_json(_parse_json(path / PROGRAM, data[PROGRAM]), gm)
-    except (_Malformed, GraphfuseError, KeyError, TypeError, ValueError, AttributeError) as e:
+    except (_Malformed, GraphfuseError, LookupError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, ProgramFormatError):
             raise
         raise ProgramFormatError(f"{path / PROGRAM}: invalid program metadata ({type(e).__name__}: {_short(e)})") from None
@@ -599,16 +616,18 @@ def _verified(program: Program, path: Path) -> Program:
         verify(program, propagate=False)
     except GraphfuseError as e:
         raise ProgramFormatError(f"{path}: the graph and the program metadata disagree: {e}") from None
-    recorded = {n: _shapes(n.meta["val"]) for n in program.graph.nodes if "val" in n.meta}
+    saved = {n: dict(n.meta) for n in program.graph.nodes}
     try:
         verify(program, propagate=True)
     except Exception as e:  # whatever an operator raises on arguments it does not accept
         raise ProgramFormatError(f"{path / GRAPH}: the graph does not run on fake tensors ({type(e).__name__}: {_short(e)})") from None
-    for node, shapes in recorded.items():
-        if _shapes(node.meta.get("val")) != shapes:
+    for node, meta in saved.items():
+        if "val" in meta and _shapes(node.meta.get("val")) != _shapes(meta["val"]):
             raise ProgramFormatError(
-                f"{path / GRAPH}: node {node.name}: meta records {shapes}, its operator gives {_shapes(node.meta.get('val'))}"
+                f"{path / GRAPH}: node {node.name}: meta records {_shapes(meta['val'])}, its operator gives {_shapes(node.meta.get('val'))}"
             )
+        node.meta.clear()  # the program keeps the meta its file holds, no more
+        node.meta.update(meta)
     return program
 
 
