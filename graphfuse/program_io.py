@@ -647,7 +647,8 @@ def cli_info(path: str, code: bool = False) -> int:
     console.print(f"[bold]{path}[/bold]: {FORMAT_NAME} v{manifest['version']}, written by graphfuse "
                   f"{manifest['graphfuse_version']} on torch {manifest['torch_version']}")
     console.print(f"rank {program.rank} of {program.world_size}, process group {program.group_name or '-'}; "
-                  f"optimizer {program.optim.cls_name} ({len(program.optim.groups)} param groups)")
+                  f"optimizer {program.optim.cls_name}, param groups: {len(program.optim.groups)}")
+    console.print("files: " + ", ".join(f"{name} {entry['bytes']:,} B" for name, entry in manifest["files"].items()))
     console.print("passes: " + " → ".join(program.passes))
     if program.layout is not None:
         layout = program.layout
