@@ -388,6 +388,8 @@ def _from_plain(tp, data):
         return [_from_plain(targs[0], x) for x in data]
     if origin is dict:
         return {k: _from_plain(targs[1], v) for k, v in data.items()}
+    if tp in (int, str, bool) and type(data) is not tp or tp is float and type(data) not in (int, float):
+        raise _Malformed(f"expected a {tp.__name__}, got {_short(data)}")
     return data
 
 
