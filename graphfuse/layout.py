@@ -182,9 +182,9 @@ def plan_buckets(params: list[ParamInfo], world_size: int, align_bytes: int, buc
     """Place `params`, given in the order backward produces their gradients, into buckets.
 
     Parameters are grouped by (dtype, device, param group), one open bucket per group; a
-    parameter starts on an `align_bytes` boundary; a bucket closes before its padded bytes
-    would pass `bucket_bytes` (a parameter larger than that gets a bucket of its own); its
-    length is rounded up to a multiple of world_size × alignment. Buckets are ordered by the
+    parameter starts on an `align_bytes` boundary; a bucket's length is rounded up to a
+    multiple of world_size × alignment, and a bucket closes before that length in bytes
+    would pass `bucket_bytes` (a parameter larger than that gets a bucket of its own). Buckets are ordered by the
     moment their last gradient is produced, so the first bucket is the first one ready.
     """
     if world_size < 1:
@@ -200,7 +200,8 @@ def plan_buckets(params: list[ParamInfo], world_size: int, align_bytes: int, buc
         padded = _round_up(max(p.numel, 1), align_of(p.dtype))
         members = open_.setdefault(key, [])
         used = sum(n for _, n in members)
-        if members and (used + padded) * itemsize(p.dtype) > bucket_bytes:
+        # The cap holds for the bucket's final length, rounded up to world_size × alignment.
+        if members and _round_up(used + padded, world_size * align_of(p.dtype)) * itemsize(p.dtype) > bucket_bytes:
             closed.append((pos - 1, key, members))
             members = open_[key] = []
         members.append((p, padded))

@@ -98,6 +98,23 @@ def position(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+def ready_position(order: dict[torch.fx.Node, int], node: torch.fx.Node) -> int:
+    """The earliest place `node` could run: right after the last of its inputs. With gradient
+    accumulation the traced gradients are sums computed after the whole last backward; this
+    is where the last micro-batch's backward made them ready."""
+    return max((order[i] for i in node.all_input_nodes), default=order[node])
+
+
+def hoist(node: torch.fx.Node) -> None:
+    """Move `node` to right after the last of its inputs (always valid: nothing it reads moves)."""
+    order = position(node.graph)
+    inputs = [i for i in node.all_input_nodes if i.op != "placeholder"]
+    if inputs:
+        latest = max(inputs, key=order.__getitem__)
+        if order[latest] + 1 < order[node]:
+            latest.append(node)
+
+
 def mark(program: Program, key: str, node: torch.fx.Node) -> Program:
     marks = dict(program.signature.marks)
     marks[key] = node.name

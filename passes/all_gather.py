@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from graphfuse import signature as sig
 from graphfuse.program import Program
+
 from ._graph import c10d, call, marked, outputs, set_outputs
 
 

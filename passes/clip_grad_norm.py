@@ -8,7 +8,8 @@ import torch
 
 from graphfuse import signature as sig
 from graphfuse.program import Program
-from ._graph import c10d, call, marked, mark
+
+from ._graph import c10d, call, mark, marked
 
 
 def requires(program: Program) -> None:

@@ -1,10 +1,12 @@
-"""Fuse parameters: each bucket becomes one flat placeholder and every parameter a view of it."""
+"""Fuse parameters: each bucket becomes one flat placeholder and every parameter a view of it;
+the per-parameter new values are packed into one new bucket (so the program stays whole)."""
 
 from __future__ import annotations
 
 from graphfuse import signature as sig
 from graphfuse.program import Program, TensorMeta
-from ._graph import add_input, aten, call, input_node, remove_input, sync_inputs
+
+from ._graph import add_input, aten, call, input_node, outputs, remove_input, set_outputs, sync_inputs
 
 
 def requires(program: Program) -> None:
@@ -14,6 +16,9 @@ def requires(program: Program) -> None:
 
 def run(program: Program) -> Program:
     graph = program.graph
+    pairs = outputs(program)
+    new_param = {s.target: n for s, n in pairs if s.role == sig.NEW_PARAM}
+    pairs = [(s, n) for s, n in pairs if s.role != sig.NEW_PARAM]
     for bucket in program.layout.buckets:
         node = add_input(program, sig.InputSpec(sig.BUCKET, bucket.name), TensorMeta((bucket.size,), bucket.dtype, bucket.device))
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
@@ -24,9 +29,21 @@ def run(program: Program) -> Program:
                 view = call(graph, aten.view.default, flat, list(slot.shape), phase=sig.FORWARD)
             old.replace_all_uses_with(view)
             remove_input(program, old)
+        # Until the sharded update replaces it, the traced update writes the whole bucket back.
+        with graph.inserting_before(graph.output_node()):
+            pieces = []
+            for slot in bucket.slots:
+                flat = call(graph, aten.view.default, new_param[slot.fqn], [-1], phase=sig.OPTIMIZER)
+                if slot.padded > slot.numel:
+                    flat = call(graph, aten.constant_pad_nd.default, flat, [0, slot.padded - slot.numel], 0.0, phase=sig.OPTIMIZER)
+                pieces.append(flat)
+            packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, pieces, phase=sig.OPTIMIZER)
+        pairs.append((sig.OutputSpec(sig.NEW_BUCKET, bucket.name, bucket.name), packed))
+    program = set_outputs(program, pairs)
     return sync_inputs(program)
 
 
 def ensures(program: Program) -> None:
     assert not program.signature.names(sig.PARAM), "no per-parameter input remains"
+    assert not program.signature.output_names(sig.NEW_PARAM), "no per-parameter output remains"
     assert len(program.signature.names(sig.BUCKET)) == len(program.layout.buckets)

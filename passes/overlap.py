@@ -6,6 +6,7 @@ reads its result, so communication runs while the graph computes. Without
 from __future__ import annotations
 
 from graphfuse.program import Program
+
 from ._graph import c10d, position
 
 

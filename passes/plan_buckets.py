@@ -4,9 +4,11 @@ the captured program and attach the `BucketLayout` (graphfuse.layout does the ar
 from __future__ import annotations
 
 from graphfuse import signature as sig
-from graphfuse.layout import ParamInfo, plan_buckets as plan
+from graphfuse.layout import ParamInfo
+from graphfuse.layout import plan_buckets as plan
 from graphfuse.program import Program
-from ._graph import position
+
+from ._graph import position, ready_position
 
 
 def requires(program: Program) -> None:
@@ -22,7 +24,10 @@ def run(program: Program) -> Program:
         m = program.inputs_meta[fqn]
         params.append(ParamInfo(fqn, m.shape, m.dtype, m.device, group_of[fqn]))
     # Backward produces the last layer's gradient first: that order fills the buckets.
-    grad_pos = {fqn: order[program.node(name)] for fqn, name in program.signature.grads.items()}
+    grad_pos = {}
+    for fqn, name in program.signature.grads.items():
+        node = program.node(name)
+        grad_pos[fqn] = (ready_position(order, node), order[node])
     params.sort(key=lambda p: grad_pos[p.fqn])
     s = program.strategy
     layout = plan(params, program.world_size, s.align_bytes, s.bucket_bytes)

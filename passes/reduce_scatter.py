@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from graphfuse import signature as sig
 from graphfuse.program import Program
-from ._graph import aten, c10d, call, mark, position
+
+from ._graph import aten, c10d, call, hoist, mark, position
 
 
 def requires(program: Program) -> None:
@@ -17,6 +18,8 @@ def run(program: Program) -> Program:
     graph, layout = program.graph, program.layout
     world = layout.world_size
     master = program.strategy.master_dtype
+    for name in program.signature.grads.values():
+        hoist(program.node(name))  # accumulated gradients: ready where the last backward made them
     order = position(graph)
     for bucket in layout.buckets:
         grads = {fqn: program.node(program.signature.grads[fqn]) for fqn in bucket.fqns}

@@ -11,7 +11,21 @@ from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.capture import dtype_name
 from graphfuse.program import Program, TensorMeta
-from ._graph import add_input, aten, eliminate_dead_code, call, inline, marked, mark, outputs, placeholders, remove_input, set_outputs, sync_inputs
+
+from ._graph import (
+    add_input,
+    aten,
+    call,
+    eliminate_dead_code,
+    inline,
+    mark,
+    marked,
+    outputs,
+    placeholders,
+    remove_input,
+    set_outputs,
+    sync_inputs,
+)
 
 MASTER = "master"
 
@@ -33,9 +47,9 @@ def uses_master(program: Program, bucket) -> bool:
 def run(program: Program) -> Program:
     graph, layout = program.graph, program.layout
     rank = program.rank
-    # The per-parameter update's outputs go; once the fused update reads the gradient shards,
+    # The traced update's outputs (per-parameter states, whole new buckets) go; once the fused update reads the gradient shards,
     # dead-code elimination removes the ops only the old outputs needed.
-    new_outputs = [(s, n) for s, n in outputs(program) if s.role not in (sig.NEW_PARAM, sig.NEW_STATE)]
+    new_outputs = [(s, n) for s, n in outputs(program) if s.role not in (sig.NEW_BUCKET, sig.NEW_STATE)]
     out_node = graph.output_node()
     for bucket in layout.buckets:
         spec = program.optim.groups[bucket.group]

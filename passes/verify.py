@@ -11,6 +11,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from graphfuse import signature as sig
 from graphfuse.errors import GraphfuseError
 from graphfuse.program import Program
+
 from ._graph import placeholders
 
 
@@ -55,9 +56,11 @@ def verify(program: Program, propagate: bool = True) -> Program:
         if name not in node_names:
             raise VerifyError(f"mark {key} names a missing node {name}")
     if program.layout is not None:
-        fused = {s.name for s in specs if s.role == sig.BUCKET}
-        if fused and {s.role for s in specs} & {sig.PARAM, sig.STATE}:
+        roles = {s.role for s in specs}
+        if sig.BUCKET in roles and sig.PARAM in roles:
             raise VerifyError("a fused program still has per-parameter inputs")
+        if sig.SHARD in roles and sig.STATE in roles:
+            raise VerifyError("a sharded program still has per-parameter optimizer states")
     if propagate:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         FakeTensorProp(program.graph_module, mode).propagate(*fake_inputs(program, mode))

@@ -1,0 +1,189 @@
+"""Property tests of bucket planning (graphfuse.layout): ownership, tiling, alignment, the
+bucket cap, grouping, order, and the fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphfuse.layout import BucketLayout, ParamInfo, itemsize, plan_buckets
+
+DTYPES = ["float32", "bfloat16", "float16", "float64"]
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
+params_st = st.lists(
+    st.tuples(shapes, st.sampled_from(DTYPES), st.sampled_from(["cpu", "cuda"]), st.integers(0, 2)),
+    min_size=1,
+    max_size=12,
+).map(lambda rows: [ParamInfo(f"layer{i}.w", s, d, dev, g) for i, (s, d, dev, g) in enumerate(rows)])
+worlds = st.integers(1, 8)
+aligns = st.sampled_from([1, 2, 4, 16, 64, 256])
+caps = st.integers(1, 4096)
+
+
+def plan(params, world, align, cap) -> BucketLayout:
+    return plan_buckets(params, world, align, cap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_every_element_of_every_parameter_is_owned_by_exactly_one_rank(params, world, align, cap):
+    layout = plan(params, world, align, cap)
+    owners = {p.fqn: [0] * p.numel for p in params}
+    for bucket in layout.buckets:
+        for rank in range(world):
+            for s in bucket.slices(rank):
+                for i in range(s.param_start, s.param_start + s.numel):
+                    owners[s.fqn][i] += 1
+    assert owners == {p.fqn: [1] * p.numel for p in params}
+    assert sorted(layout.fqns) == sorted(p.fqn for p in params)
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_slices_tile_each_shards_parameter_data_and_nothing_else(params, world, align, cap):
+    layout = plan(params, world, align, cap)
+    for bucket in layout.buckets:
+        assert bucket.size % world == 0
+        data = [False] * bucket.size
+        for s in bucket.slots:
+            data[s.offset : s.offset + s.numel] = [True] * s.numel
+        for rank in range(world):
+            lo, hi = bucket.shard_range(rank)
+            covered = [False] * bucket.shard_size
+            prev_end = 0
+            for s in bucket.slices(rank):
+                assert prev_end <= s.shard_start < s.shard_end <= bucket.shard_size  # in order, no overlap
+                prev_end = s.shard_end
+                slot = bucket.slot(s.fqn)
+                # the slice's shard range is the parameter's flat range it claims
+                assert lo + s.shard_start == slot.offset + s.param_start
+                assert s.param_start + s.numel <= slot.numel
+                covered[s.shard_start : s.shard_end] = [True] * s.numel
+            assert covered == data[lo:hi]
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_offsets_and_bucket_sizes_are_aligned_in_bytes(params, world, align, cap):
+    layout = plan(params, world, align, cap)
+    for bucket in layout.buckets:
+        align_elems = max(1, align // itemsize(bucket.dtype))
+        assert bucket.size % (world * align_elems) == 0
+        end = 0
+        for s in bucket.slots:
+            assert s.offset % align_elems == 0
+            assert (s.offset * itemsize(bucket.dtype)) % min(align, itemsize(bucket.dtype) * align_elems) == 0
+            assert s.offset == end  # slots are packed: padding only where alignment needs it
+            assert s.padded >= s.numel
+            end = s.offset + s.padded
+        assert end == bucket.size
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_bucket_cap_holds_unless_one_parameter_exceeds_it(params, world, align, cap):
+    layout = plan(params, world, align, cap)
+    for bucket in layout.buckets:
+        if bucket.nbytes > cap:
+            assert len(bucket.slots) == 1, f"{bucket.name} has {bucket.nbytes} B > cap {cap} B with several parameters"
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_buckets_group_by_dtype_device_and_param_group(params, world, align, cap):
+    layout = plan(params, world, align, cap)
+    info = {p.fqn: p for p in params}
+    for bucket in layout.buckets:
+        for fqn in bucket.fqns:
+            p = info[fqn]
+            assert (p.dtype, p.device, p.group) == (bucket.dtype, bucket.device, bucket.group)
+            assert bucket.slot(fqn).shape == p.shape
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_buckets_follow_gradient_order(params, world, align, cap):
+    layout = plan(params, world, align, cap)
+    pos = {p.fqn: i for i, p in enumerate(params)}
+    ready = []
+    for bucket in layout.buckets:
+        order = [pos[f] for f in bucket.fqns]
+        assert order == sorted(order)  # inside a bucket, in gradient order
+        ready.append(max(order))
+    assert ready == sorted(ready)  # the first bucket is the first one whose gradients are all ready
+    # buckets of one group are consecutive runs of that group's gradients
+    for key in {(p.dtype, p.device, p.group) for p in params}:
+        seq = [f for b in layout.buckets if (b.dtype, b.device, b.group) == key for f in b.fqns]
+        assert seq == [p.fqn for p in params if (p.dtype, p.device, p.group) == key]
+
+
+def test_bucket_order_example_last_layer_first():
+    # Backward produces head first, then layer1, then layer0: so do the buckets (Paddle
+    # orders them in forward order, making the first bucket ready last).
+    params = [ParamInfo(n, (64,), "float32", "cpu", 0) for n in ("head.w", "layer1.w", "layer0.w")]
+    layout = plan_buckets(params, 2, 256, 256)
+    assert [b.fqns for b in layout.buckets] == [("head.w",), ("layer1.w",), ("layer0.w",)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_fingerprint_is_stable_and_layout_round_trips_through_json(params, world, align, cap):
+    layout = plan(params, world, align, cap)
+    again = plan(list(params), world, align, cap)
+    assert again == layout and again.fingerprint == layout.fingerprint
+    loaded = BucketLayout.from_json(json.loads(json.dumps(layout.to_json())))
+    assert loaded == layout
+    assert loaded.fingerprint == layout.fingerprint
+
+
+BASE = [
+    ParamInfo("a", (100,), "float32", "cpu", 0),
+    ParamInfo("b", (7, 3), "float32", "cpu", 0),
+    ParamInfo("c", (50,), "float32", "cpu", 0),
+]
+
+
+def test_fingerprint_changes_with_everything_that_changes_the_layout():
+    base = plan_buckets(BASE, 2, 256, 4096).fingerprint
+    changed = {
+        "world size": plan_buckets(BASE, 3, 256, 4096),
+        "bucket size": plan_buckets(BASE, 2, 256, 8192),
+        "alignment": plan_buckets(BASE, 2, 64, 4096),
+        "order": plan_buckets([BASE[1], BASE[0], BASE[2]], 2, 256, 4096),
+        "shape": plan_buckets([dataclasses.replace(BASE[1], shape=(3, 7)), BASE[0], BASE[2]], 2, 256, 4096),
+        "dtype": plan_buckets([dataclasses.replace(BASE[0], dtype="bfloat16"), *BASE[1:]], 2, 256, 4096),
+        "name": plan_buckets([dataclasses.replace(BASE[0], fqn="z"), *BASE[1:]], 2, 256, 4096),
+    }
+    fingerprints = {k: v.fingerprint for k, v in changed.items()}
+    assert base not in fingerprints.values(), fingerprints
+    assert len(set(fingerprints.values())) == len(fingerprints)
+
+
+def test_tiny_model_on_many_ranks_leaves_some_ranks_only_padding():
+    params = [ParamInfo("w", (3, 2), "float32", "cpu", 0), ParamInfo("b", (3,), "float32", "cpu", 0)]
+    layout = plan_buckets(params, 8, 256, 2**20)
+    (bucket,) = layout.buckets
+    assert bucket.size == 8 * 64 and bucket.shard_size == 64
+    assert [s.fqn for s in bucket.slices(0)] == ["w"]  # w at 0..6, b at 64..67
+    assert [(s.fqn, s.shard_start, s.shard_end, s.param_start) for s in bucket.slices(1)] == [("b", 0, 3, 0)]
+    assert all(bucket.slices(r) == () for r in range(2, 8))  # these ranks hold padding only
+
+
+def test_parameter_straddling_ranks_is_split_into_one_slice_per_rank():
+    layout = plan_buckets([ParamInfo("w", (10, 13), "float32", "cpu", 0)], 3, 16, 2**20)
+    (bucket,) = layout.buckets
+    assert bucket.size == 132 and bucket.shard_size == 44  # 130 rounded up to 3 * 4
+    got = [[(s.shard_start, s.shard_end, s.param_start) for s in bucket.slices(r)] for r in range(3)]
+    assert got == [[(0, 44, 0)], [(0, 44, 44)], [(0, 42, 88)]]
+
+
+def test_parameter_larger_than_the_cap_gets_a_bucket_of_its_own():
+    params = [ParamInfo("small", (4,), "float32", "cpu", 0), ParamInfo("big", (1000,), "float32", "cpu", 0),
+              ParamInfo("small2", (4,), "float32", "cpu", 0)]
+    layout = plan_buckets(params, 2, 16, 1024)
+    assert [b.fqns for b in layout.buckets] == [("small",), ("big",), ("small2",)]
+    assert layout.buckets[1].nbytes == 4000
