@@ -1,5 +1,6 @@
-"""Program files: round trips at 1, 2 and 3 real Gloo ranks run bitwise like the original,
-tampered files are refused without running anything, and the committed fixture loads."""
+"""Program files: round trips at 1, 2 and 3 real Gloo ranks run bitwise like the original
+(and restart from a checkpoint), tampered files are refused without running anything, and
+the committed fixture loads and trains."""
 
 from __future__ import annotations
 
@@ -99,6 +100,15 @@ def _round_trip(rank: int, world_size: int, tmp: str) -> dict:
             assert torch.equal(dm(batch), rebuilt(batch))
         for (name, p), q in zip(dm.model.named_parameters(), model.parameters()):
             assert torch.equal(p, q), name
+        # A restart: the saved program and a checkpoint, into a fresh model, with no tracing.
+        gf.save(rebuilt, Path(tmp) / f"{kind}-ckpt")
+        model, opt, _, _ = make(kind, rank)
+        restarted = gf.DistModel.from_program(gf.load_program(path), model, opt)
+        gf.load(restarted, Path(tmp) / f"{kind}-ckpt")
+        for batch in batches[:2]:
+            assert torch.equal(dm(batch), restarted(batch))
+        for (name, p), q in zip(dm.model.named_parameters(), model.parameters()):
+            assert torch.equal(p, q), name
         collectives[kind] = sum(1 for n in loaded.graph.nodes if getattr(n.target, "namespace", "") == "_c10d_functional")
     return collectives
 
@@ -114,7 +124,7 @@ def two_ranks(tmp_path_factory) -> list[tuple[dict, list[float]]]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_loaded_program_equals_original_and_trains_bitwise(world_size, tmp_path, request):
+def test_loaded_program_equals_original_trains_bitwise_and_restarts_from_a_checkpoint(world_size, tmp_path, request):
     if world_size == 2:
         results = [r for r, _ in request.getfixturevalue("two_ranks")]
     else:
