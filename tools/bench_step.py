@@ -1,0 +1,164 @@
+"""Training-step time of graphfuse (fused ZeRO-1) against eager DDP + ZeroRedundancyOptimizer
+and FSDP2 (fully_shard) on the same GPT and batch, with the collectives each issues per step.
+
+    python tools/bench_step.py --device cpu --world-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from graphfuse.passes._graph import count_targets
+
+import graphfuse as gf
+from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step, batches, warmup: int, device) -> list[float]:
+    times = []
+    for i, b in enumerate(batches):
+        dist.barrier()
+        sync(device)
+        t = time.perf_counter()
+        step(b)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def profiled_collectives(step, batch) -> int:
+    """c10d collectives one step issues, counted from the profiler's dispatcher events."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(batch)
+    names = ("allreduce", "broadcast", "allgather", "reduce_scatter", "_reduce_scatter", "all_gather")
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::") and any(n in e.key for n in names))
+
+
+def eager_step(model, optimizer):
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        gpt_loss(model, batch).backward()
+        optimizer.step()
+
+    return step
+
+
+def worker(rank: int, world: int, port: int, args, queue) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+        torch.manual_seed(0)
+        base = GPT(cfg).to(device)
+        n = args.warmup + args.steps
+        batches = [tuple(x.to(device) for x in b) for b in synthetic_tokens(cfg, args.batch, n, seed=rank)]
+        out = {}
+
+        model = copy.deepcopy(base)
+        dm = gf.compile(model, adamw(model.parameters()), gpt_loss, batches[0], gf.Strategy(bucket_size_mb=args.bucket_mb))
+        counts = count_targets(dm.program)
+        out["graphfuse"] = (timed(dm, batches, args.warmup, device),
+                            sum(v for k, v in counts.items() if k.startswith("_c10d_functional") and "wait" not in k), "graph")
+
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = copy.deepcopy(base)
+        ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.1, foreach=False)
+        step = eager_step(ddp, zero)
+        out["ddp_zero"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
+
+        from torch.distributed.fsdp import fully_shard
+
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        step = eager_step(model, adamw(model.parameters()))
+        out["fsdp2"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()} {os.cpu_count()} cores, {platform.system()}, torch {torch.__version__}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--embd", type=int, default=128)
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    args = ap.parse_args()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+
+    rows = {}
+    for name in ("graphfuse", "ddp_zero", "fsdp2"):
+        # A step takes as long as its slowest rank: median over steps of the max over ranks.
+        per_step = [max(r[name][0][i] for r in results.values()) for i in range(args.steps)]
+        rows[name] = {"ms": 1e3 * statistics.median(per_step), "collectives": results[0][name][1], "counted_by": results[0][name][2]}
+    for name in rows:
+        rows[name]["vs_graphfuse"] = rows[name]["ms"] / rows["graphfuse"]["ms"]
+
+    from rich.console import Console
+    from rich.table import Table
+
+    where = machine(args.device)
+    table = Table(title=f"training step, GPT {args.layers}x{args.embd}, batch {args.batch}x{args.block}, {args.world_size} ranks, {args.device} ({where})")
+    for col in ("method", "median step ms", "time / graphfuse", "collectives/step", "counted by"):
+        table.add_column(col)
+    for name, r in rows.items():
+        table.add_row(name, f"{r['ms']:.1f}", f"{r['vs_graphfuse']:.2f}x", str(r["collectives"]), r["counted_by"])
+    Console().print(table)
+    print(json.dumps({"bench": "step", "device": args.device, "world_size": args.world_size, "machine": where, "config": vars(args), "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
