@@ -17,6 +17,7 @@ from graphfuse.capture import batch_key, capture, program_batch_key
 from graphfuse.errors import UnsupportedError
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import run_pipeline, verify
+from graphfuse.passes._graph import is_collective
 from graphfuse.passes.sharded_update import MASTER
 from graphfuse.program import Program
 from graphfuse.strategy import Strategy
@@ -31,6 +32,17 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | Non
             return None, 1, 0, ""
         group = dist.group.WORLD
     return group, dist.get_world_size(group), dist.get_rank(group), group.group_name
+
+
+def rebind_group(program: Program, group_name: str) -> Program:
+    """The same program with its collectives on the process group named `group_name` (a
+    restarted job's group may be named differently from the one the program was built on)."""
+    gm = torch.fx.GraphModule(program.graph_module, copy.deepcopy(program.graph))
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            node.args = tuple(group_name if a == program.group_name else a for a in node.args)
+    gm.recompile()
+    return program.with_(graph_module=gm, group_name=group_name)
 
 
 def bind_tensors(
@@ -190,6 +202,8 @@ class DistModel:
             tuple(n for p in grp["params"] for n, q in params.items() if q is p and q.requires_grad) for grp in optimizer.param_groups
         ]:
             raise UnsupportedError("the optimizer's param groups do not hold the parameters the program was traced with")
+        if program.group_name != self.group_name:
+            program = rebind_group(program, self.group_name)
         self._example_leaves = []
         self._start(program, program_batch_key(program))
         return self

@@ -1,4 +1,4 @@
-"""Reduce-scatter gradients: pack each bucket's gradients (zero padding included) into one
+"""Reduce-scatter gradients: pack each bucket's gradients and zero padding into one
 flat buffer and average it across ranks with ONE reduce_scatter_tensor, issued as soon as
 the bucket's last gradient exists. Marks `grad_shard:<bucket>` for the update."""
 
@@ -24,18 +24,22 @@ def run(program: Program) -> Program:
     for bucket in layout.buckets:
         grads = {fqn: program.node(program.signature.grads[fqn]) for fqn in bucket.fqns}
         last = max(grads.values(), key=order.__getitem__)
+        cast = master is not None and bucket.dtype != str(master).removeprefix("torch.")
         with graph.inserting_before(last.next):
             pieces = []
             for slot in bucket.slots:
                 flat = call(graph, aten.view.default, grads[slot.fqn], [-1], phase=sig.COMM)
-                if slot.padded > slot.numel:
-                    flat = call(graph, aten.constant_pad_nd.default, flat, [0, slot.padded - slot.numel], 0.0, phase=sig.COMM)
+                if cast:
+                    # Gradients are averaged in the master dtype: an average of bf16 values in
+                    # bf16 loses the low bits the fp32 master weights are there to keep.
+                    flat = call(graph, aten._to_copy.default, flat, dtype=master, phase=sig.COMM)
                 pieces.append(flat)
+                if slot.padded > slot.numel:
+                    # Padding as its own zero piece, so every gradient is a direct input of the
+                    # cat: inductor then writes it straight into the packed buffer (a padded
+                    # copy per gradient measured 45x slower on CPU, 4x on an H200).
+                    pieces.append(call(graph, aten.new_zeros.default, flat, [slot.padded - slot.numel], phase=sig.COMM))
             packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, pieces, phase=sig.COMM)
-            if master is not None and bucket.dtype != str(master).removeprefix("torch."):
-                # Gradients are averaged in the master dtype: an average of bf16 values in bf16
-                # loses the low bits the fp32 master weights are there to keep.
-                packed = call(graph, aten._to_copy.default, packed, dtype=master, phase=sig.COMM)
             shard = packed
             if world > 1:
                 issued = call(graph, c10d.reduce_scatter_tensor.default, packed, "avg", world, program.group_name, phase=sig.COMM)
