@@ -199,17 +199,19 @@ def _spawned(rank: int, args: argparse.Namespace, port: int, out_dir: str, queue
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    out_dir = args.out or tempfile.mkdtemp(prefix="graphfuse-demo-")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         backend = "nccl" if args.device == "cuda" else "gloo"
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
         try:
-            result = _rank_main(args, out_dir)
+            shared = [args.out or (tempfile.mkdtemp(prefix="graphfuse-demo-") if dist.get_rank() == 0 else None)]
+            dist.broadcast_object_list(shared, src=0)  # every rank writes the same checkpoint
+            result = _rank_main(args, shared[0])
         finally:
             dist.destroy_process_group()
         return 0 if result is None or _report(result) else 1
+    out_dir = args.out or tempfile.mkdtemp(prefix="graphfuse-demo-")
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         raise gf.UnsupportedError(
             f"--device cuda --world-size {args.world_size} needs one GPU per rank; {torch.cuda.device_count()} visible"
