@@ -12,8 +12,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from graphfuse import optim as gopt
@@ -156,13 +158,11 @@ def capture(
         params = flat[:n_train]
         frozen = flat[n_train : n_train + n_frozen]
         buffers = flat[n_train + n_frozen : n_train + n_frozen + n_buf]
-        states = dict(zip([s.name for s in specs if s.role == sig.STATE], [flat[i] for i, r in enumerate(roles) if r == sig.STATE]))
-        scalars = dict(zip([s.name for s in specs if s.role == sig.SCALAR], [flat[i] for i, r in enumerate(roles) if r == sig.SCALAR]))
         batch_tensors = iter([flat[i] for i, r in enumerate(roles) if r == sig.BATCH])
         batch_leaves = [next(batch_tensors) if is_t else x for x, is_t in zip(leaves, tensor_leaf)]
         batch = pytree.tree_unflatten(batch_leaves, batch_spec)
         micro_batches = [batch] if k == 1 else [
-            pytree.tree_map(lambda x: x.chunk(k)[i] if isinstance(x, torch.Tensor) else x, batch) for i in range(k)
+            pytree.tree_map(lambda x, i=i: x.chunk(k)[i] if isinstance(x, torch.Tensor) else x, batch) for i in range(k)
         ]
 
         def loss_of(train_params, bufs, mb):
@@ -180,23 +180,26 @@ def capture(
                 loss = loss / k
             return loss, bufs
 
+        # torch.autograd.grad (as AOTAutograd's joint graph does), not torch.func.grad: functorch
+        # decomposes some backward kernels (silu_backward) into ops that round differently.
         grads = None
         total = None
-        with presenting_as_compiling():
+        with presenting_as_compiling(), torch.enable_grad():
             for mb in micro_batches:
-                g, (loss, buffers) = torch.func.grad_and_value(loss_of, has_aux=True)(tuple(params), buffers, mb)
+                loss, buffers = loss_of(params, buffers, mb)
+                g = torch.autograd.grad(loss, params, allow_unused=True)
+                unused = [f for f, x in zip(info.trainable, g) if x is None]
+                if unused:
+                    raise UnsupportedError(
+                        f"parameter(s) {', '.join(unused)} get no gradient from loss_fn, so torch.optim would skip "
+                        "them while graphfuse's fused update would not; set requires_grad=False on them or "
+                        "leave them out of the optimizer"
+                    )
                 grads = list(g) if grads is None else [a + b for a, b in zip(grads, g)]
+                loss = loss.detach()
                 total = loss if total is None else total + loss
 
-        new_params, new_states = [], []
-        for gi, gspec in enumerate(info.optim.groups):
-            group_scalars = {s: scalars[f"group{gi}.{s}"] for s in gspec.scalar_names}
-            for fqn in gspec.params:
-                i = info.trainable.index(fqn)
-                p, st = gopt.update(gspec, params[i], grads[i], {s: states[f"{fqn}.{s}"] for s in gspec.state_names}, group_scalars)
-                new_params.append((fqn, p))
-                new_states.extend((f"{fqn}.{s}", st[s]) for s in gspec.state_names)
-        return total.detach(), new_params, new_states, buffers, grads
+        return total, buffers, grads
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_examples = []
@@ -205,40 +208,65 @@ def capture(
         if s.role == sig.STATE:  # a fresh tensor: fakes are memoised per real tensor
             with fake_mode:
                 fake = torch.empty_like(fake)
+        if s.role == sig.PARAM:
+            fake.requires_grad_(True)
         fake_examples.append(fake)
     t0 = time.perf_counter()
-    traced = make_fx(
-        torch.func.functionalize(step, remove="mutations"),
-        tracing_mode="fake",
-        _allow_non_fake_inputs=True,
-    )(*fake_examples)
+    try:
+        traced = make_fx(_functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fake_examples)
+    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
+        raise UnsupportedError(
+            f"the training step reads a tensor's value on the host ({e}: .item(), float(t), int(t), "
+            "`if t:`, or an op whose output shape depends on values, such as nonzero); graphfuse traces "
+            "with fake tensors and cannot follow that. Keep such values as tensors (torch.where instead "
+            "of `if`), or guard the code with torch.compiler.is_compiling(), which is true while tracing"
+        ) from e
     log.debug("traced the step in %.2fs", time.perf_counter() - t0)
 
-    # step() returned (loss, [(fqn, p)...], [(name, s)...], buffers, grads): after flattening, the
-    # output node holds the same values in that order, with the names dropped.
-    out_node = traced.graph.output_node()
+    # step() returned (loss, buffers, grads); the output node holds them flattened, in order.
+    graph = traced.graph
+    out_node = graph.output_node()
     flat_out = [x for x in pytree.tree_leaves(out_node.args) if isinstance(x, torch.fx.Node)]
-    n_states = sum(len(info.optim.groups[info.group_of[f]].state_names) for f in info.trainable)
-    loss_n = flat_out[0]
-    param_outs = flat_out[1 : 1 + n_train]
-    state_outs = flat_out[1 + n_train : 1 + n_train + n_states]
-    buf_outs = flat_out[1 + n_train + n_states : 1 + n_train + n_states + n_buf]
-    grad_outs = flat_out[1 + n_train + n_states + n_buf :]
-    param_order = [fqn for gspec in info.optim.groups for fqn in gspec.params]
-    state_order = [f"{fqn}.{s}" for gspec in info.optim.groups for fqn in gspec.params for s in gspec.state_names]
-
+    loss_n, buf_outs, grad_outs = flat_out[0], flat_out[1 : 1 + n_buf], flat_out[1 + n_buf :]
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     for node, s in zip(placeholders, specs):
         node._rename(_sanitize(f"{s.role}_{s.name}"))
         node.target = node.name
         node.meta["gf_input"] = s
 
+    # The optimizer update is elementwise, the same ops for every parameter of a group: trace
+    # it once per group and copy it per parameter, far cheaper than dispatching every op through
+    # functionalization and fake tensors again. Every node it copies has the parameter's shape
+    # and dtype (_trace_update checks), so each gets a fake value shaped like the parameter.
+    by_name = {s.name: n for n, s in zip(placeholders, specs)}
+    grad_of = dict(zip(info.trainable, grad_outs))
+    templates: dict[tuple, torch.fx.Graph] = {}
     outputs: list[sig.OutputSpec] = [sig.OutputSpec(sig.LOSS, "loss")]
     out_args: list[torch.fx.Node] = [loss_n]
-    for fqn, n in zip(param_order, param_outs):
+    new_params, new_states = [], []
+    for g, gspec in enumerate(info.optim.groups):
+        scalar_nodes = [by_name[f"group{g}.{s}"] for s in gspec.scalar_names]
+        for fqn in gspec.params:
+            p = info.params[fqn]
+            key = (g, p.dtype, p.device.type)
+            if key not in templates:
+                templates[key] = _trace_update(gspec, p.dtype, p.device.type)
+            template = templates[key]
+            param_val = by_name[fqn].meta["val"]
+            args = [by_name[fqn], grad_of[fqn], *(by_name[f"{fqn}.{s}"] for s in gspec.state_names), *scalar_nodes]
+            val_map = dict(zip([n for n in template.nodes if n.op == "placeholder"], args))
+            with graph.inserting_before(out_node):
+                new = graph.graph_copy(template, val_map)
+            with param_val.fake_mode:
+                for t_node in template.nodes:
+                    if t_node.op == "call_function":
+                        val_map[t_node].meta["val"] = torch.empty_like(param_val)
+            new_params.append((fqn, new[0]))
+            new_states.extend((f"{fqn}.{s}", n) for s, n in zip(gspec.state_names, new[1:]))
+    for fqn, n in new_params:
         outputs.append(sig.OutputSpec(sig.NEW_PARAM, fqn, fqn))
         out_args.append(n)
-    for name, n in zip(state_order, state_outs):
+    for name, n in new_states:
         outputs.append(sig.OutputSpec(sig.NEW_STATE, name, name))
         out_args.append(n)
     for fqn, n, ph in zip(buffer_names, buf_outs, placeholders[n_train + n_frozen :]):
@@ -264,6 +292,43 @@ def capture(
     )
     inputs_meta = {s.name: tensor_meta(t) for s, t in zip(specs, examples)}
     return Program(traced, signature, info.optim, inputs_meta, strategy=strategy, passes=("capture",))
+
+
+def _trace_update(spec: gopt.GroupSpec, dtype: torch.dtype, device: str) -> torch.fx.Graph:
+    """`gopt.update` of one parameter as a graph whose placeholders are (param, grad, *states,
+    *scalars) and whose output is [new param, *new states]; every op in it is elementwise and
+    gives a tensor of the parameter's shape and dtype, so it serves parameters of any shape."""
+
+    def fn(p, g, *rest):
+        states = dict(zip(spec.state_names, rest[: len(spec.state_names)]))
+        scalars = dict(zip(spec.scalar_names, rest[len(spec.state_names) :]))
+        new_p, new_states = gopt.update(spec, p, g, states, scalars)
+        return [new_p, *(new_states[s] for s in spec.state_names)]
+
+    shape = (2, 3)
+    with FakeTensorMode():
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2 + len(spec.state_names))]
+        scalars = [torch.zeros((), dtype=torch.bool if s == "first" else torch.float64) for s in spec.scalar_names]
+    graph = make_fx(fn, tracing_mode="fake")(*tensors, *scalars).graph
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "call_function" and (tuple(val.shape) != shape or val.dtype != dtype):
+            raise AssertionError(f"the {spec.kind} update is not elementwise: {n.format_node()} gives {val.shape} {val.dtype}")
+    return graph
+
+
+def _functionalized(fn: Callable) -> Callable:
+    """`fn` under a FunctionalTensorMode, as AOTAutograd runs its joint graph: mutations become
+    out-of-place ops, views stay views, and autograd (which torch.func.functionalize would
+    hide from `fn`) sees its inputs' requires_grad."""
+
+    def wrapped(*args):
+        with FunctionalTensorMode():
+            fargs = [FunctionalTensor.to_functional(a) for a in args]
+            out = fn(*fargs)
+        return pytree.tree_map_only(FunctionalTensor, FunctionalTensor.from_functional, out)
+
+    return wrapped
 
 
 def _unchanged(out: torch.fx.Node, placeholder: torch.fx.Node) -> bool:

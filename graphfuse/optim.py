@@ -154,14 +154,19 @@ def check_group_unchanged(spec: GroupSpec, group: dict, g: int) -> None:
     """Hyper-parameters other than lr (and AdamW's weight decay) are baked into the graph:
     refuse a step after a scheduler changed one, rather than silently ignore it."""
     if spec.kind == "adam":
-        current = {"betas": tuple(float(b) for b in group["betas"]), "eps": float(group["eps"])}
-        traced = {"betas": (spec.beta1, spec.beta2), "eps": spec.eps}
+        current = {
+            "betas": tuple(float(b) for b in group["betas"]),
+            "eps": float(group["eps"]),
+            "amsgrad": bool(group["amsgrad"]),
+            "maximize": bool(group["maximize"]),
+        }
+        traced = {"betas": (spec.beta1, spec.beta2), "eps": spec.eps, "amsgrad": spec.amsgrad, "maximize": spec.maximize}
         if "decay" not in spec.scalar_names:
             current["weight_decay"], traced["weight_decay"] = float(group["weight_decay"]), spec.weight_decay
     else:
         keys = ("momentum", "dampening", "weight_decay")
-        current = {k: float(group[k]) for k in keys}
-        traced = {k: getattr(spec, k) for k in keys}
+        current = {k: float(group[k]) for k in keys} | {k: bool(group[k]) for k in ("nesterov", "maximize")}
+        traced = {k: getattr(spec, k) for k in (*keys, "nesterov", "maximize")}
     for k, v in traced.items():
         if current[k] != v:
             raise UnsupportedError(

@@ -1,0 +1,114 @@
+"""Capture time and graph size of one GPT training step (forward, backward, AdamW) at 12, 24
+and 48 layers (n_embd=256) on CPU: gf.capture alone, and the whole gf.compile pipeline.
+
+    python tools/bench_capture.py [--layers 12 24 48] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import graphfuse as gf
+from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+
+
+def setup(n_layer: int) -> tuple[GPT, torch.optim.Optimizer, tuple]:
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=n_layer, n_head=8, n_embd=256)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-4)
+    return model, optimizer, synthetic_tokens(cfg, 2, 1, seed=0)[0]
+
+
+def best_of(repeat: int, fn) -> tuple[float, float, object]:
+    """Best wall-clock and best CPU (process) time of `repeat` calls, and the last result.
+    CPU time is the steadier of the two when the machine is shared."""
+    wall, cpu, out = float("inf"), float("inf"), None
+    for _ in range(repeat):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+    return wall, cpu, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48])
+    ap.add_argument("--repeat", type=int, default=2, help="report the best of this many runs")
+    args = ap.parse_args()
+
+    machine = {
+        "platform": platform.platform(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    rows = []
+    for n_layer in args.layers:
+        model, optimizer, batch = setup(n_layer)
+        gf.capture(*setup(2)[:2], gpt_loss, batch)  # warm torch's dispatch caches once
+        capture_s, capture_cpu, program = best_of(args.repeat, lambda: gf.capture(model, optimizer, gpt_loss, batch))  # noqa: B023
+        nodes = len(program.graph.nodes)
+
+        def full(n_layer=n_layer):
+            m, o, b = setup(n_layer)
+            return gf.compile(m, o, gpt_loss, b)
+
+        compile_s, compile_cpu, dm = best_of(args.repeat, full)
+        rows.append(
+            {
+                "n_layer": n_layer,
+                "params": sum(p.numel() for p in model.parameters()),
+                "nodes": nodes,
+                "capture_s": round(capture_s, 3),
+                "capture_cpu_s": round(capture_cpu, 3),
+                "capture_us_per_node": round(capture_s / nodes * 1e6, 1),
+                "compile_s": round(compile_s, 3),
+                "compile_cpu_s": round(compile_cpu, 3),
+                "compiled_nodes": len(dm.program.graph.nodes),
+            }
+        )
+    base = rows[0]
+    for r in rows:
+        r["per_node_vs_first"] = round(r["capture_us_per_node"] / base["capture_us_per_node"], 3)
+        r["cpu_per_node_vs_first"] = round((r["capture_cpu_s"] / r["nodes"]) / (base["capture_cpu_s"] / base["nodes"]), 3)
+
+    table = Table(title=f"gf.capture / gf.compile of a GPT step (n_embd=256, AdamW), {machine['cpu_count']} CPUs, torch {machine['torch']}")
+    columns = [
+        ("layers", "n_layer"),
+        ("params", "params"),
+        ("nodes", "nodes"),
+        ("capture s", "capture_s"),
+        ("capture cpu s", "capture_cpu_s"),
+        ("µs/node", "capture_us_per_node"),
+        (f"per node vs {base['n_layer']}", "per_node_vs_first"),
+        (f"cpu per node vs {base['n_layer']}", "cpu_per_node_vs_first"),
+        ("compile s", "compile_s"),
+        ("compile cpu s", "compile_cpu_s"),
+        ("compiled nodes", "compiled_nodes"),
+    ]
+    for title, _ in columns:
+        table.add_column(title, justify="right")
+    for r in rows:
+        table.add_row(*(f"{r[k]:,}" if isinstance(r[k], int) else str(r[k]) for _, k in columns))
+    console = Console(width=160)
+    console.print(table)
+    console.print(f"machine: {machine['platform']}, {machine['processor']}, python {machine['python']}")
+    print(json.dumps({"bench": "capture", "machine": machine, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
