@@ -10,7 +10,13 @@ import torch.distributed as dist
 
 from graphfuse.backend import ShardedOptimizer, shard_optimizer
 from graphfuse.capture import capture
-from graphfuse.errors import CheckpointError, CheckpointMismatchError, GraphfuseError, ProgramFormatError, UnsupportedError
+from graphfuse.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    GraphfuseError,
+    ProgramFormatError,
+    UnsupportedError,
+)
 from graphfuse.layout import Bucket, BucketLayout
 from graphfuse.program import Program
 from graphfuse.program_io import load_program, save_program

@@ -7,11 +7,14 @@ updates one parameter or a whole flat bucket shard.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from graphfuse.errors import UnsupportedError
+
+log = logging.getLogger("graphfuse")
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
 
@@ -103,6 +106,11 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
         raise UnsupportedError(
             f"{cls_name} already has state (it has stepped); pass a fresh optimizer to gf.compile "
             "and restore state with DistModel.load_state_dict or gf.load"
+        )
+    if any(group.get("fused") or group.get("foreach") for group in optimizer.param_groups):
+        log.info(
+            "graphfuse: %s(fused=/foreach=) only chooses torch's kernels; graphfuse runs its own fused "
+            "update, with the numerics of foreach=False", cls_name
         )
     groups = []
     seen: set[int] = set()

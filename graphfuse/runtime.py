@@ -104,7 +104,8 @@ def run_step(
     """Fill the host scalars of step `steps`, run the program, and copy every output into the
     input it replaces. All outputs exist before any state is written: a failed step changes nothing."""
     for g, (spec, group) in enumerate(zip(program.optim.groups, param_groups)):
-        gopt.check_group_unchanged(spec, group, g)
+        gopt.check_group_unchanged(spec, group, g)  # all groups first: a refused step writes nothing
+    for g, (spec, group) in enumerate(zip(program.optim.groups, param_groups)):
         values = spec.host_scalars(float(group["lr"]), float(group.get("weight_decay", 0.0)), steps[g])
         for name, value in values.items():
             tensors[f"group{g}.{name}"].fill_(value)

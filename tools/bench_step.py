@@ -24,8 +24,11 @@ import graphfuse as gf
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
+def adamw(params, device: torch.device):
+    # On CUDA the peers get torch's fastest AdamW (fused); on CPU the single-tensor one that
+    # graphfuse matches bit for bit.
+    kw = {"fused": True} if device.type == "cuda" else {"foreach": False}
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **kw)
 
 
 def sync(device: torch.device) -> None:
@@ -65,6 +68,8 @@ def eager_step(model, optimizer):
 
 def worker(rank: int, world: int, port: int, args, queue) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.backends.cuda.matmul.allow_tf32 = True  # the same matmul precision for every method
+    torch.backends.cudnn.allow_tf32 = True
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -79,7 +84,8 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         out = {}
 
         model = copy.deepcopy(base)
-        dm = gf.compile(model, adamw(model.parameters()), gpt_loss, batches[0], gf.Strategy(bucket_size_mb=args.bucket_mb))
+        strategy = gf.Strategy(bucket_size_mb=args.bucket_mb, compile=args.compile)
+        dm = gf.compile(model, adamw(model.parameters(), device), gpt_loss, batches[0], strategy)
         counts = count_targets(dm.program)
         out["graphfuse"] = (timed(dm, batches, args.warmup, device),
                             sum(v for k, v in counts.items() if k.startswith("_c10d_functional") and "wait" not in k), "graph")
@@ -89,7 +95,8 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
 
         model = copy.deepcopy(base)
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.1, foreach=False)
+        zero_kw = {"fused": True} if device.type == "cuda" else {"foreach": False}
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.1, **zero_kw)
         step = eager_step(ddp, zero)
         out["ddp_zero"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
 
@@ -99,7 +106,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        step = eager_step(model, adamw(model.parameters()))
+        step = eager_step(model, adamw(model.parameters(), device))
         out["fsdp2"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
         queue.put((rank, out))
     finally:
@@ -125,6 +132,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--embd", type=int, default=128)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--compile", choices=["eager", "inductor"], default="eager", help="how graphfuse runs its program")
     args = ap.parse_args()
 
     with socket.socket() as s:
