@@ -381,7 +381,8 @@ def load(dm, path: str | os.PathLike):
     plan, error = _plan(dm), None
     try:
         where = _resolve(path)
-        meta, md = read_meta(where), read_dcp_metadata(where)
+        meta = read_meta(where)
+        md = read_dcp_metadata(where, meta)
         mode = meta["mode"] if meta else "balanced"
         if meta:
             _check_layout(dm, plan, meta, str(where))

@@ -35,7 +35,8 @@ def _nbytes(entry: TensorStorageMetadata) -> int:
 def cli_info(path: str) -> int:
     """Print a checkpoint's mode, world size, layout fingerprint, tensors and bytes."""
     where = Path(path)
-    meta, md = read_meta(where), read_dcp_metadata(where)
+    meta = read_meta(where)
+    md = read_dcp_metadata(where, meta)
     tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     files = sorted({info.relative_path for info in md.storage_data.values()})
     on_disk = sum((where / f).stat().st_size for f in files if (where / f).exists())
@@ -77,7 +78,8 @@ def cli_convert(src: str, dst: str, to: str) -> int:
     if to != "balanced":
         raise CheckpointError(f"cannot convert to {to!r}; only --to balanced is supported")
     src_dir, dst_dir = Path(src), Path(dst).absolute()
-    meta, md = read_meta(src_dir), read_dcp_metadata(src_dir)
+    meta = read_meta(src_dir)
+    md = read_dcp_metadata(src_dir, meta)
     if meta is None or meta["mode"] != "unbalanced":
         raise CheckpointError(f"{src_dir}: not an unbalanced graphfuse checkpoint; a balanced one needs no conversion")
     check_files(src_dir, md, meta, set(md.state_dict_metadata))

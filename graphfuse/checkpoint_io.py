@@ -90,7 +90,16 @@ class LoadPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
-def read_dcp_metadata(path: Path) -> Metadata:
+def read_dcp_metadata(path: Path, meta: dict | None = None) -> Metadata:
+    """DCP's index, after checking it against the size and CRC-32 graphfuse.json recorded
+    (a graphfuse checkpoint): an altered index can unpickle into wrong offsets, which no
+    later check would see before the buffers are overwritten."""
+    rec = (meta or {}).get("files", {}).get(DCP_META)
+    f = path / DCP_META
+    if rec is not None and f.exists() and (os.path.getsize(f) != rec["bytes"] or crc32(f) != rec["crc32"]):
+        raise CheckpointError(
+            f"{f}: contents differ from when it was saved (size or CRC-32 mismatch); the checkpoint is damaged"
+        )
     try:
         return FileSystemReader(str(path)).read_metadata()
     except FileNotFoundError:
@@ -135,10 +144,12 @@ def crc32(file: Path) -> int:
 
 
 def file_records(directory: Path, rank: int) -> dict[str, dict]:
-    """Size and CRC-32 of the data files DCP wrote for `rank` (named __<rank>_<n>.distcp)."""
-    return {
-        f.name: {"bytes": f.stat().st_size, "crc32": crc32(f)} for f in sorted(directory.glob(f"__{rank}_*.distcp"))
-    }
+    """Size and CRC-32 of the data files DCP wrote for `rank` (named __<rank>_<n>.distcp),
+    and for rank 0, the coordinator, of DCP's index `.metadata` too."""
+    files = sorted(directory.glob(f"__{rank}_*.distcp"))
+    if rank == 0 and (directory / DCP_META).exists():
+        files.append(directory / DCP_META)
+    return {f.name: {"bytes": f.stat().st_size, "crc32": crc32(f)} for f in files}
 
 
 def check_files(path: Path, md: Metadata, meta: dict | None, keys: set[str]) -> None:

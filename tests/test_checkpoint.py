@@ -6,10 +6,13 @@ that the tests below assert on; the groups run in dependency order through fixtu
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pickle
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import graphfuse as gf
 from graphfuse import checkpoint
+from graphfuse.checkpoint_io import Chunks, file_records
 
 # graphfuse steps the optimizer inside its program, so torch's order check cannot see it.
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
@@ -121,6 +125,43 @@ def expect_error(dm, path, cls) -> str:
         assert unchanged(dm, snap), f"loading {path} changed the state"
         return str(e)
     raise AssertionError(f"loading {path} did not raise {cls.__name__}")
+
+
+def record_metadata(path: str, drop: bool = False) -> None:
+    """Record .metadata's size and CRC-32 afresh in graphfuse.json (or drop the record, as
+    a checkpoint without one has), so that a test reaches the checks behind that one."""
+    f = os.path.join(path, "graphfuse.json")
+    meta = json.load(open(f))
+    if drop:
+        meta["files"].pop(".metadata", None)
+    else:
+        meta["files"].update(file_records(Path(path), 0))
+    json.dump(meta, open(f, "w"))
+
+
+BALANCED = [name for name, (mode, _) in CONFIGS.items() if mode == "balanced"]
+
+
+def balanced_differences(dm, full: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """The keys of dm.state_dict(mode="balanced") this rank holds, and those of them whose
+    tensor or any chunk is not bitwise (values and dtype) the checkpoint's whole tensor."""
+    sd = dm.state_dict(mode="balanced")
+    held = {f"model.{k}": v for k, v in sd["model"].items()}
+    for fqn, states in sd["optim"]["state"].items():
+        held.update({f"optim.state.{fqn}.{s}": v for s, v in states.items()})
+    differ = []
+    for key, value in held.items():
+        want = full.get(key)
+        if isinstance(value, Chunks):
+            pieces = [(view, tuple(slice(o, o + n) for o, n in zip(off, sz))) for off, sz, view in value.chunks]
+        else:
+            pieces = [(value, ())]
+        if want is None or tuple(value.size()) != tuple(want.shape):
+            differ.append(key)
+            continue
+        if not all(view.dtype == want.dtype and torch.equal(view, want[box]) for view, box in pieces):
+            differ.append(key)
+    return sorted(held), differ
 
 
 # ---- groups ---------------------------------------------------------------------------
@@ -234,6 +275,7 @@ def two_rank_group(rank: int, world: int, root: str) -> dict:
         md = pickle.load(open(f, "rb"))
         del md.state_dict_metadata[f"slice@{fqn}.exp_avg_sq@rank1"]
         pickle.dump(md, open(f, "wb"))
+        record_metadata(os.path.join(faults, "missing_key"))  # a consistent index that lacks the key
         f = os.path.join(faults, "corrupt", data)
         with open(f, "r+b") as fh:
             fh.seek(os.path.getsize(f) - 100)
@@ -274,6 +316,22 @@ def three_rank_group(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def four_rank_group(rank: int, world: int, root: str) -> dict:
+    """Balanced 1 -> 4: load each balanced checkpoint saved at world size 1, compare what
+    every rank holds with the checkpoint's tensors, and save it again at 4 ranks."""
+    out = {}
+    for name in BALANCED:
+        mode, dtype = CONFIGS[name]
+        model, opt, _ = make(4, dtype)
+        dm = compile_(rank, model, opt, mode, dtype)
+        src = os.path.join(root, f"{name}1")
+        extra = gf.load(dm, src)
+        held, differ = balanced_differences(dm, read_all(src))
+        out[name] = {"held": held, "differ": differ, "steps": list(dm.steps), "extra": sorted(extra)}
+        gf.save(dm, os.path.join(root, f"{name}1to4"))
+    return out
+
+
 def read_all(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint, whole, read in this process with plain DCP."""
     md = dcp.FileSystemReader(path).read_metadata()
@@ -282,8 +340,23 @@ def read_all(path: str) -> dict[str, torch.Tensor]:
         for k, v in md.state_dict_metadata.items()
         if isinstance(v, TensorStorageMetadata)
     }
-    dcp.load(sd, checkpoint_id=path)
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
     return sd
+
+
+def assert_same_tensors(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor], what: str) -> None:
+    assert first.keys() == second.keys(), what
+    for k in first:
+        assert first[k].dtype == second[k].dtype and torch.equal(first[k], second[k]), (what, k)
+
+
+def trained_world1(seed: int = 6, steps: int = 2):
+    """A world-size-1 balanced DistModel a few steps into training (its state is not zero)."""
+    model, opt, _ = make(seed)
+    dm = compile_(0, model, opt, "balanced", torch.float32)
+    for i in range(steps):
+        dm(batch(0, i))
+    return dm
 
 
 # ---- fixtures: the groups, in dependency order ------------------------------------------
@@ -307,6 +380,20 @@ def two(killed):
 @pytest.fixture(scope="module")
 def three(two, root):
     return run_ranks(three_rank_group, 3, root)
+
+
+@pytest.fixture(scope="module")
+def one(root):
+    """Balanced checkpoints saved at world size 1 (in this process) after step 2."""
+    for name in BALANCED:
+        mode, dtype = CONFIGS[name]
+        train(0, mode, dtype, seed=2, save=os.path.join(root, f"{name}1"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def four(one):
+    return run_ranks(four_rank_group, 4, one)
 
 
 # ---- tests ------------------------------------------------------------------------------
@@ -374,6 +461,101 @@ def test_balanced_reshards_2_to_3_and_2_to_1_bitwise(three, root):
         assert first.keys() == second.keys()
         for k in first:
             assert torch.equal(first[k], second[k]), (again, k)
+
+
+@pytest.mark.parametrize("name", BALANCED)
+def test_balanced_reshards_3_to_1_bitwise(three, root, name):
+    src = os.path.join(root, f"{name}3")
+    saved = read_all(src)
+    mode, dtype = CONFIGS[name]
+    model, opt, _ = make(5, dtype)
+    dm = compile_(0, model, opt, mode, dtype)
+    assert "scheduler" in gf.load(dm, src)
+    assert dm.steps == [SAVE_AT + 1]
+    held, differ = balanced_differences(dm, saved)
+    assert held == sorted(saved) and not differ, differ
+    again = os.path.join(root, f"{name}3to1")
+    gf.save(dm, again)
+    assert_same_tensors(saved, read_all(again), again)
+
+
+@pytest.mark.parametrize("name", BALANCED)
+def test_balanced_reshards_1_to_4_bitwise(four, root, name):
+    saved = read_all(os.path.join(root, f"{name}1"))
+    if name.endswith("master"):
+        assert any(k.endswith(".master") for k in saved)
+    assert sorted(set().union(*(r[name]["held"] for r in four))) == sorted(saved)
+    assert len({tuple(r[name]["held"]) for r in four}) > 1  # the ranks really hold different parts
+    for rank, r in enumerate(four):
+        assert not r[name]["differ"], (rank, r[name]["differ"])
+        assert r[name]["steps"] == [SAVE_AT + 1] and r[name]["extra"] == ["scheduler"]
+    again = os.path.join(root, f"{name}1to4")
+    assert json.load(open(os.path.join(again, "graphfuse.json")))["world_size"] == 4
+    assert_same_tensors(saved, read_all(again), again)
+
+
+def test_load_falls_back_to_old_between_the_two_renames(one, root):
+    """gf.save moves <path> to <path>.old, then <path>.saving to <path>: a crash between the
+    two leaves no <path>; gf.load loads the previous checkpoint from <path>.old."""
+    prev = os.path.join(root, "balanced1")
+    path = os.path.join(root, "window")
+    shutil.copytree(prev, path)  # the previous checkpoint, in place
+    dm = trained_world1()
+    gf.save(dm, os.path.join(root, "newer"))
+    os.rename(os.path.join(root, "newer"), path + ".saving")  # the new one, complete, not yet renamed
+    os.rename(path, path + ".old")  # the first rename; the process dies here
+    assert not os.path.exists(path)
+
+    assert "scheduler" in gf.load(dm, path)
+    saved = read_all(prev)
+    held, differ = balanced_differences(dm, saved)
+    assert held == sorted(saved) and not differ, differ
+    assert dm.steps == [SAVE_AT + 1]
+
+    gf.save(dm, path)  # the next save completes the interrupted one's clean-up
+    assert os.path.isdir(path) and not os.path.exists(path + ".old") and not os.path.exists(path + ".saving")
+    assert_same_tensors(saved, read_all(path), path)
+
+    # A crash after the second rename, before .old is removed: <path> is the newer one.
+    shutil.copytree(prev, path + ".old")  # stale: a save removes it
+    newer = trained_world1(seed=8, steps=1)
+    gf.save(newer, path)
+    shutil.copytree(os.path.join(root, "balanced1"), path + ".old")
+    gf.load(dm, path)
+    assert not balanced_differences(dm, read_all(path))[1]
+    assert dm.steps == [1]
+
+
+@pytest.mark.parametrize(
+    "damage, recorded",
+    # A well-formed index with altered offsets is found only by the CRC-32 graphfuse.json records.
+    [(d, r) for d in ("truncated", "empty", "garbage", "altered") for r in (True, False) if r or d != "altered"],
+)
+def test_damaged_dcp_metadata_raises_naming_it_and_changes_nothing(one, root, damage, recorded):
+    """.metadata truncated, emptied, overwritten with garbage, or re-pickled with altered
+    chunk offsets: gf.CheckpointError names the file, model and optimizer stay bitwise as
+    they were; with and without the size and CRC-32 that graphfuse.json records of it."""
+    path = os.path.join(root, f"metadata_{damage}_{recorded}")
+    shutil.copytree(os.path.join(root, "balanced1"), path)
+    f = os.path.join(path, ".metadata")
+    data = open(f, "rb").read()
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = b""
+    elif damage == "garbage":
+        data = torch.randint(0, 256, (len(data),), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+        data = data.numpy().tobytes()
+    else:
+        md = pickle.loads(data)
+        md.storage_data = {i: dataclasses.replace(s, offset=s.offset + 1) for i, s in md.storage_data.items()}
+        data = pickle.dumps(md)
+    open(f, "wb").write(data)
+    if not recorded:
+        record_metadata(path, drop=True)
+    dm = trained_world1()
+    msg = expect_error(dm, path, gf.CheckpointError)
+    assert f in msg and "damaged" in msg, msg
 
 
 def test_plain_adamw_loads_balanced_checkpoint_bitwise_equal_to_eager(two, root):
