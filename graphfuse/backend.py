@@ -19,7 +19,7 @@ from graphfuse.errors import UnsupportedError
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.passes._graph import sanitize
 from graphfuse.program import Program
-from graphfuse.runtime import bind_tensors, compile_in_place, group_info, run_step
+from graphfuse.runtime import arguments, bind_tensors, compile_in_place, group_info, run_step
 from graphfuse.strategy import Strategy
 
 log = logging.getLogger("graphfuse")
@@ -129,18 +129,11 @@ class ShardedOptimizer:
         self.layout = self.program.layout
         self.tensors = bind_tensors(self.program, self.params, {}, self.group)
         self.steps = [0] * len(self.program.optim.groups)
-        self._fn = self.program.graph_module
-        if strategy.compile == "inductor":
-            self._fn = compile_in_place(self.program, self._inputs())
+        self._fn = self.program.graph_module if strategy.compile == "eager" else None  # inductor: at the first step
 
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
-
-    def _inputs(self) -> list[torch.Tensor]:
-        from graphfuse.runtime import arguments
-
-        return arguments(self.program, self.tensors, self._grads())
 
     def _grads(self) -> list[torch.Tensor]:
         grads = []
@@ -157,7 +150,10 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         steps = [s + 1 for s in self.steps]
-        run_step(self.program, self._fn, self.tensors, self.optimizer.param_groups, steps, self._grads())
+        grads = self._grads()
+        if self._fn is None:  # inductor compiles for the gradients' devices and strides
+            self._fn = compile_in_place(self.program, arguments(self.program, self.tensors, grads))
+        run_step(self.program, self._fn, self.tensors, self.optimizer.param_groups, steps, grads)
         self.steps = steps
         self.optimizer._opt_called = True  # the optimizer has stepped: LR schedulers check this
 

@@ -36,8 +36,9 @@ def run(program: Program) -> Program:
                 pieces.append(flat)
                 if slot.padded > slot.numel:
                     # Padding as its own zero piece, so every gradient is a direct input of the
-                    # cat: inductor then writes it straight into the packed buffer (a padded
-                    # copy per gradient measured 45x slower on CPU, 4x on an H200).
+                    # cat: inductor can then write it straight into the packed buffer (a padded
+                    # copy per gradient measured 45x slower on CPU; on an H200 the two are
+                    # within 20%: tools/bench_update.py).
                     pieces.append(call(graph, aten.new_zeros.default, flat, [slot.padded - slot.numel], phase=sig.COMM))
             packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, pieces, phase=sig.COMM)
             shard = packed
