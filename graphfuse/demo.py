@@ -5,24 +5,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue as queue_module
-import socket
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import graphfuse as gf
+from graphfuse.launch import run_ranks
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 from graphfuse.passes._graph import count_targets
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _optimizer(model: torch.nn.Module, **kw) -> torch.optim.AdamW:
@@ -77,8 +69,7 @@ def _train(dm, sched, batches, on_step=None) -> list[float]:
     return losses
 
 
-def _rank_main(args: argparse.Namespace, out_dir: str) -> dict | None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _rank_main(rank: int, world: int, args: argparse.Namespace, out_dir: str) -> dict | None:
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if args.device == "cuda" else torch.device("cpu")
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=args.layers, n_head=4, n_embd=args.d_model)
     batches = [(x.to(device), y.to(device)) for x, y in synthetic_tokens(cfg, 8, args.steps, seed=1000 + rank)]
@@ -184,20 +175,6 @@ def _report(r: dict) -> bool:
     return max(diffs) < 1e-4 and all(r["checkpoints"].values())
 
 
-def _spawned(rank: int, args: argparse.Namespace, port: int, out_dir: str, queue) -> None:
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    dist.init_process_group(backend, rank=rank, world_size=args.world_size, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        result = _rank_main(args, out_dir)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def run_demo(args: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         backend = "nccl" if args.device == "cuda" else "gloo"
@@ -207,7 +184,7 @@ def run_demo(args: argparse.Namespace) -> int:
         try:
             shared = [args.out or (tempfile.mkdtemp(prefix="graphfuse-demo-") if dist.get_rank() == 0 else None)]
             dist.broadcast_object_list(shared, src=0)  # every rank writes the same checkpoint
-            result = _rank_main(args, shared[0])
+            result = _rank_main(dist.get_rank(), dist.get_world_size(), args, shared[0])
         finally:
             dist.destroy_process_group()
         return 0 if result is None or _report(result) else 1
@@ -216,24 +193,11 @@ def run_demo(args: argparse.Namespace) -> int:
         raise gf.UnsupportedError(
             f"--device cuda --world-size {args.world_size} needs one GPU per rank; {torch.cuda.device_count()} visible"
         )
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, args, port, out_dir, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    result = None
-    while result is None and all(p.exitcode in (None, 0) for p in procs):
-        try:
-            result = queue.get(timeout=1.0)
-        except queue_module.Empty:
-            if all(p.exitcode == 0 for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=None if result is not None else 5)
-        if p.is_alive():
-            p.kill()
-    if result is None or any(p.exitcode != 0 for p in procs):
-        print(f"graphfuse demo: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    try:
+        results = run_ranks(_rank_main, args.world_size, args, out_dir, backend=backend, threads=threads, timeout=3600)
+    except AssertionError as e:
+        print(f"graphfuse demo: a rank failed: {e}")
         return 1
-    return 0 if _report(result) else 1
+    return 0 if _report(results[0]) else 1

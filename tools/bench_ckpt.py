@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import threading
 import time
 
@@ -22,6 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+from graphfuse.launch import free_port
 
 
 def rss() -> int:
@@ -133,9 +134,7 @@ def main() -> None:
     args = p.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]

@@ -76,7 +76,6 @@ import json
 import os
 import platform
 import queue as queue_module
-import socket
 import statistics
 import sys
 import tempfile
@@ -88,6 +87,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import graphfuse as gf
+from graphfuse.launch import free_port
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 PRESETS = {
@@ -99,12 +99,6 @@ LR, WD = 1e-3, 0.1
 
 
 # ---- process management ------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     try:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

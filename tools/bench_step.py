@@ -11,7 +11,6 @@ import copy
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 from graphfuse.passes._graph import count_targets
 
 import graphfuse as gf
+from graphfuse.launch import free_port
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 
@@ -135,9 +135,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=["eager", "inductor"], default="eager", help="how graphfuse runs its program")
     args = ap.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]

@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 from pathlib import Path
 
 import torch
@@ -20,6 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from safetensors.torch import save_file
+
+from graphfuse.launch import free_port
 
 WORLD_SIZE, STEPS, LR, MOMENTUM = 2, 4, 0.05, 0.9
 
@@ -80,9 +81,7 @@ def main() -> None:
     out = parser.parse_args().out
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_rank, args=(port, out), nprocs=WORLD_SIZE)
     total = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
     print(f"wrote {out} ({total / 1024:.1f} KiB)")
