@@ -164,7 +164,6 @@ class DistModel:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.strategy = strategy or Strategy()
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
-        self._example_leaves = [x for x in pytree.tree_leaves(example_batch) if isinstance(x, torch.Tensor)]
         self._start(self._build(example_batch), batch_key(example_batch))
 
     @classmethod
@@ -205,7 +204,6 @@ class DistModel:
             raise UnsupportedError("the optimizer's param groups do not hold the parameters the program was traced with")
         if program.group_name != self.group_name:
             program = rebind_group(program, self.group_name)
-        self._example_leaves = []
         self._start(program, program_batch_key(program))
         return self
 
@@ -213,7 +211,8 @@ class DistModel:
         self._bind(program)
         self.steps = [0] * len(program.optim.groups)
         self.program = program
-        self._programs: dict[tuple, tuple[Program, Callable]] = {key: (program, self._executable(program))}
+        # batch key -> (program, its executable; None until the first step compiles it)
+        self._programs: dict[tuple, tuple[Program, Callable | None]] = {key: (program, self._eager(program))}
 
     @property
     def layout(self) -> BucketLayout:
@@ -226,10 +225,10 @@ class DistModel:
         program = run_pipeline(program)
         return verify(program)
 
-    def _executable(self, program: Program) -> Callable:
-        if self.strategy.compile == "inductor":
-            return compile_in_place(program, self._arguments(program, self._example_leaves))
-        return program.graph_module
+    def _eager(self, program: Program) -> Callable | None:
+        """The program's executable if it runs eagerly; None if inductor compiles it at the
+        first step, for that batch's devices and strides."""
+        return program.graph_module if self.strategy.compile == "eager" else None
 
     def _bind(self, program: Program) -> None:
         params = dict(self.model.named_parameters())
@@ -237,11 +236,7 @@ class DistModel:
         self.tensors: dict[str, torch.Tensor] = bind_tensors(program, params, buffers, self.group)
 
     # ---- running --------------------------------------------------------------------
-    def _arguments(self, program: Program, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        return arguments(program, self.tensors, leaves)
-
-    def _program_for(self, batch) -> tuple[Program, Callable]:
-        key = batch_key(batch)
+    def _program_for(self, batch, key: tuple) -> tuple[Program, Callable | None]:
         entry = self._programs.get(key)
         if entry is None and self.loss_fn is None:
             raise UnsupportedError(
@@ -256,13 +251,16 @@ class DistModel:
                     "re-capturing for the new batch gave a different bucket layout; keep the batch's "
                     "shapes fixed, or pad batches to the example's shapes"
                 )
-            self._example_leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
-            entry = self._programs[key] = (program, self._executable(program))
+            entry = self._programs[key] = (program, self._eager(program))
         return entry
 
     def __call__(self, batch) -> torch.Tensor:
-        program, fn = self._program_for(batch)
+        key = batch_key(batch)
+        program, fn = self._program_for(batch, key)
         leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+        if fn is None:
+            fn = compile_in_place(program, arguments(program, self.tensors, leaves))
+            self._programs[key] = (program, fn)
         steps = [s + 1 for s in self.steps]
         outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, leaves)
         self.steps = steps
