@@ -75,19 +75,16 @@ import gc
 import json
 import os
 import platform
-import queue as queue_module
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import graphfuse as gf
-from graphfuse.launch import free_port
+from graphfuse import launch
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 PRESETS = {
@@ -99,55 +96,24 @@ LR, WD = 1e-3, 0.1
 
 
 # ---- process management ------------------------------------------------------------------
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    try:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        if args.device == "cuda":
-            torch.cuda.set_device(rank)
-            torch.backends.cuda.matmul.allow_tf32 = True  # the same matmul precision for every method
-            torch.backends.cudnn.allow_tf32 = True
-        backend = "nccl" if args.device == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-        try:
-            queue.put((rank, "ok", COMMANDS[args.cmd](args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+def _rank_main(rank: int, world: int, args: argparse.Namespace):
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the same matmul precision for every method
+        torch.backends.cudnn.allow_tf32 = True
+    return COMMANDS[args.cmd](args)
 
 
 def run_ranks(args: argparse.Namespace) -> list:
+    """Every rank's result of the subcommand (graphfuse.launch spawns the process group; it
+    keeps NCCL_NVLS_ENABLE=0 and gives each rank its own GPU)."""
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         sys.exit(f"--device cuda --world-size {args.world_size} needs one GPU per rank; {torch.cuda.device_count()} visible")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    deadline = time.monotonic() + args.timeout
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    threads = max(1, (os.cpu_count() or 1) // args.world_size)
     try:
-        while len(results) < args.world_size:
-            try:
-                rank, status, value = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    sys.exit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                if time.monotonic() > deadline:
-                    sys.exit(f"ranks timed out after {args.timeout}s; finished: {sorted(results)}")
-                continue
-            if status == "error":
-                sys.exit(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(args.world_size)]
+        return launch.run_ranks(_rank_main, args.world_size, args, backend=backend, threads=threads, timeout=args.timeout)
+    except AssertionError as e:
+        sys.exit(str(e))
 
 
 def machine(device: str) -> str:
