@@ -38,6 +38,11 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 def batch_key(batch) -> tuple:
     """What a traced program is specialised on: the batch's structure, and each leaf's shape,
     dtype and device (tensors) or value (anything else)."""
+    return flatten_batch(batch)[0]
+
+
+def flatten_batch(batch) -> tuple[tuple, list[torch.Tensor]]:
+    """(`batch_key(batch)`, the batch's tensor leaves in order), with one flatten."""
     leaves, spec = pytree.tree_flatten(batch)
     key = []
     for leaf in leaves:
@@ -45,7 +50,7 @@ def batch_key(batch) -> tuple:
             key.append(tensor_meta(leaf))
         else:
             key.append(("const", repr(leaf)))
-    return (str(spec), tuple(key))
+    return (str(spec), tuple(key)), [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 def program_batch_key(program: Program) -> tuple:

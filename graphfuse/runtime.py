@@ -9,11 +9,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
-from graphfuse.capture import batch_key, capture, program_batch_key
+from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
 from graphfuse.errors import UnsupportedError
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import run_pipeline, verify
@@ -255,9 +254,8 @@ class DistModel:
         return entry
 
     def __call__(self, batch) -> torch.Tensor:
-        key = batch_key(batch)
+        key, leaves = flatten_batch(batch)
         program, fn = self._program_for(batch, key)
-        leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
         if fn is None:
             fn = compile_in_place(program, arguments(program, self.tensors, leaves))
             self._programs[key] = (program, fn)

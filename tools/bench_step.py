@@ -16,11 +16,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from graphfuse.passes._graph import count_targets
 
 import graphfuse as gf
-from graphfuse.launch import free_port
+from graphfuse.launch import run_ranks
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 
@@ -66,51 +65,44 @@ def eager_step(model, optimizer):
     return step
 
 
-def worker(rank: int, world: int, port: int, args, queue) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+def worker(rank: int, world: int, args) -> dict:
+    """One rank's timings (graphfuse.launch has set up the process group and the device)."""
     torch.backends.cuda.matmul.allow_tf32 = True  # the same matmul precision for every method
     torch.backends.cudnn.allow_tf32 = True
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-        torch.manual_seed(0)
-        base = GPT(cfg).to(device)
-        n = args.warmup + args.steps
-        batches = [tuple(x.to(device) for x in b) for b in synthetic_tokens(cfg, args.batch, n, seed=rank)]
-        out = {}
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    torch.manual_seed(0)
+    base = GPT(cfg).to(device)
+    n = args.warmup + args.steps
+    batches = [tuple(x.to(device) for x in b) for b in synthetic_tokens(cfg, args.batch, n, seed=rank)]
+    out = {}
 
-        model = copy.deepcopy(base)
-        strategy = gf.Strategy(bucket_size_mb=args.bucket_mb, compile=args.compile)
-        dm = gf.compile(model, adamw(model.parameters(), device), gpt_loss, batches[0], strategy)
-        counts = count_targets(dm.program)
-        out["graphfuse"] = (timed(dm, batches, args.warmup, device),
-                            sum(v for k, v in counts.items() if k.startswith("_c10d_functional") and "wait" not in k), "graph")
+    model = copy.deepcopy(base)
+    strategy = gf.Strategy(bucket_size_mb=args.bucket_mb, compile=args.compile)
+    dm = gf.compile(model, adamw(model.parameters(), device), gpt_loss, batches[0], strategy)
+    counts = count_targets(dm.program)
+    out["graphfuse"] = (timed(dm, batches, args.warmup, device),
+                        sum(v for k, v in counts.items() if k.startswith("_c10d_functional") and "wait" not in k), "graph")
 
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = copy.deepcopy(base)
-        ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-        zero_kw = {"fused": True} if device.type == "cuda" else {"foreach": False}
-        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.1, **zero_kw)
-        step = eager_step(ddp, zero)
-        out["ddp_zero"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
+    model = copy.deepcopy(base)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    zero_kw = {"fused": True} if device.type == "cuda" else {"foreach": False}
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.1, **zero_kw)
+    step = eager_step(ddp, zero)
+    out["ddp_zero"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
 
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-        model = copy.deepcopy(base)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        step = eager_step(model, adamw(model.parameters(), device))
-        out["fsdp2"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
-        queue.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+    model = copy.deepcopy(base)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    step = eager_step(model, adamw(model.parameters(), device))
+    out["fsdp2"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
+    return out
 
 
 def machine(device: str) -> str:
@@ -135,15 +127,9 @@ def main() -> None:
     ap.add_argument("--compile", choices=["eager", "inductor"], default="eager", help="how graphfuse runs its program")
     args = ap.parse_args()
 
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    results = dict(enumerate(run_ranks(worker, args.world_size, args, backend=backend, threads=threads, timeout=1800)))
 
     rows = {}
     for name in ("graphfuse", "ddp_zero", "fsdp2"):
