@@ -16,6 +16,7 @@ from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.capture import tensor_meta
 from graphfuse.errors import UnsupportedError
+from graphfuse.inductor import compile_graph
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.passes._graph import sanitize
 from graphfuse.program import Program
@@ -28,9 +29,7 @@ log = logging.getLogger("graphfuse")
 def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
     """torch.compile backend "graphfuse": forward and backward compiled by inductor. Pair it
     with `gf.shard_optimizer(optimizer)` for the fused, sharded optimizer step."""
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(gm, example_inputs)
+    return compile_graph(gm, example_inputs)
 
 
 def capture_update(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, strategy: Strategy) -> Program:

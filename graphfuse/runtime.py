@@ -14,6 +14,7 @@ from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
 from graphfuse.errors import UnsupportedError
+from graphfuse.inductor import compile_graph
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.passes._graph import is_collective
@@ -121,8 +122,6 @@ def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Ca
     """Compile the program with inductor after appending `copy_` of every output into the input
     it replaces, so inductor writes new buckets and shards straight into their storage (one
     read and one write per element) instead of returning new tensors the runtime must copy."""
-    from torch._inductor.compile_fx import compile_fx
-
     gm = torch.fx.GraphModule(program.graph_module, copy.deepcopy(program.graph))
     graph = gm.graph
     inputs = {s.name: n for s, n in zip(program.signature.inputs, (n for n in graph.nodes if n.op == "placeholder"))}
@@ -134,7 +133,7 @@ def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Ca
                 graph.call_function(torch.ops.aten.copy_.default, (inputs[spec.target], node))
     out.args = (tuple(r for s, r in zip(program.signature.outputs, results) if s.target is None),)
     gm.recompile()
-    compiled = compile_fx(gm, example_inputs)
+    compiled = compile_graph(gm, example_inputs)
 
     def run(*args):
         return compiled(*args)

@@ -106,9 +106,10 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace):
 def run_ranks(args: argparse.Namespace) -> list:
     """Every rank's result of the subcommand (graphfuse.launch spawns the process group; it
     keeps NCCL_NVLS_ENABLE=0 and gives each rank its own GPU)."""
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
-        sys.exit(f"--device cuda --world-size {args.world_size} needs one GPU per rank; {torch.cuda.device_count()} visible")
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    backend = backend_of(args)
+    if backend == "nccl" and torch.cuda.device_count() < args.world_size:
+        sys.exit(f"--device cuda --world-size {args.world_size} needs one GPU per rank over NCCL; {torch.cuda.device_count()} "
+                 "visible (--backend gloo shares one GPU between ranks)")
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
     try:
         return launch.run_ranks(_rank_main, args.world_size, args, backend=backend, threads=threads, timeout=args.timeout)
@@ -158,7 +159,17 @@ def peer_adamw(params, device: torch.device) -> torch.optim.AdamW:
 
 
 def compile_mode(args) -> str:
+    if args.compile != "auto":
+        return args.compile
     return "inductor" if args.device == "cuda" else "eager"
+
+
+def backend_of(args) -> str:
+    """NCCL on CUDA, Gloo on the CPU; `--backend gloo --device cuda` puts every rank on GPU 0
+    (NCCL refuses two ranks on one GPU; Gloo stages CUDA tensors through the host)."""
+    if args.backend != "auto":
+        return args.backend
+    return "nccl" if args.device == "cuda" else "gloo"
 
 
 def nbytes(tensors) -> int:
@@ -688,6 +699,10 @@ def parse(argv=None) -> argparse.Namespace:
         p.add_argument("--block", type=int, default=None, help="override block_size (tokens per sequence)")
         p.add_argument("--batch", type=int, default=None, help="sequences per rank")
         p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are given up")
+        p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                       help="auto: NCCL on cuda, Gloo on cpu; gloo with --device cuda runs every rank on GPU 0")
+        p.add_argument("--compile", choices=["auto", "eager", "inductor"], default="auto",
+                       help="graphfuse's executor; auto: inductor on cuda, eager on cpu")
 
     p = sub.add_parser("correctness", help="graphfuse vs eager DDP + AdamW: losses and optimizer state per rank")
     common(p, steps=50, warmup=0)
@@ -713,7 +728,7 @@ def main(argv=None) -> None:
     results = run_ranks(args)
     rows = REPORTS[args.cmd](args, results, where)
     record = {"bench": f"multigpu.{args.cmd}", "device": args.device, "world_size": args.world_size, "machine": where,
-              "compile": "inductor" if args.device == "cuda" else "eager", "wall_s": time.perf_counter() - t0,
+              "backend": backend_of(args), "compile": compile_mode(args), "wall_s": time.perf_counter() - t0,
               "config": vars(args), "results": rows}
     print(json.dumps(record))
 

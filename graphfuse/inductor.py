@@ -1,0 +1,45 @@
+"""Inductor for graphfuse programs: `compile_fx` with the settings that keep its kernels
+correct on the graphs graphfuse builds (see docs/design.md "Numerics" for each one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# Inductor settings graphfuse overrides, and why. Each entry is a measured miscompile, not a
+# preference; remove it once the oldest supported torch no longer needs it.
+WORKAROUNDS: dict[str, object] = {
+    # torch 2.11-2.13, CUDA: a "mix-order reduction" (LayerNorm backward's row sums fused with
+    # its column sums, chosen when rows x columns >= 5 Mi elements) ends with
+    # `buf = workspace[...].sum(dim=0)`, which rebinds the buffer's name instead of writing
+    # into it. When that buffer is a slice of a larger one (a gradient written straight into
+    # the packed gradient bucket by `cat`), the slice is never written: the update reads
+    # uninitialised memory (wrong LayerNorm updates; NaN under deterministic fill).
+    # Reproduced without graphfuse by tools/repro_inductor_mix_order.py.
+    "triton.mix_order_reduction": False,
+}
+
+
+def active_workarounds() -> dict[str, object]:
+    """The entries of WORKAROUNDS that this torch's inductor config knows."""
+    import torch._inductor.config as config
+
+    active = {}
+    for key, value in WORKAROUNDS.items():
+        owner = config
+        *path, leaf = key.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is not None and hasattr(owner, leaf):
+            active[key] = value
+    return active
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+    """`compile_fx(gm, example_inputs)` under graphfuse's inductor WORKAROUNDS."""
+    import torch._inductor.config as config
+    from torch._inductor.compile_fx import compile_fx
+
+    with config.patch(active_workarounds()):
+        return compile_fx(gm, example_inputs)
