@@ -33,7 +33,7 @@ def run(program: Program) -> Program:
         with graph.inserting_before(graph.output_node()):
             pieces = []
             for slot in bucket.slots:
-                flat = call(graph, aten.view.default, new_param[slot.fqn], [-1], phase=sig.OPTIMIZER)
+                flat = call(graph, aten.reshape.default, new_param[slot.fqn], [-1], phase=sig.OPTIMIZER)  # any layout
                 if slot.padded > slot.numel:
                     flat = call(graph, aten.constant_pad_nd.default, flat, [0, slot.padded - slot.numel], 0.0, phase=sig.OPTIMIZER)
                 pieces.append(flat)

@@ -28,7 +28,9 @@ def run(program: Program) -> Program:
         with graph.inserting_before(last.next):
             pieces = []
             for slot in bucket.slots:
-                flat = call(graph, aten.view.default, grads[slot.fqn], [-1], phase=sig.COMM)
+                # reshape, not view: a gradient may come in any memory layout (a channels_last
+                # conv weight's does) and must be flattened in its logical element order.
+                flat = call(graph, aten.reshape.default, grads[slot.fqn], [-1], phase=sig.COMM)
                 if cast:
                     # Gradients are averaged in the master dtype: an average of bf16 values in
                     # bf16 loses the low bits the fp32 master weights are there to keep.
