@@ -18,7 +18,7 @@ from graphfuse.capture import tensor_meta
 from graphfuse.errors import UnsupportedError
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.passes._graph import sanitize
-from graphfuse.program import Program
+from graphfuse.program import PassRun, Program
 from graphfuse.runtime import arguments, bind_tensors, compile_in_place, group_info, run_step
 from graphfuse.strategy import Strategy
 
@@ -94,7 +94,7 @@ def capture_update(params: dict[str, torch.nn.Parameter], optimizer: torch.optim
     grads = {n: placeholders[index[f"{n}.grad"]].name for n in trainable}
     signature = sig.Signature(inputs=tuple(specs), outputs=tuple(outputs), grads=grads)
     meta = {s.name: tensor_meta(t) for s, t in zip(specs, examples)}
-    return Program(gm, signature, optim, meta, strategy=strategy, passes=("capture_update",))
+    return Program(gm, signature, optim, meta, strategy=strategy, passes=(PassRun("capture_update"),))
 
 
 class ShardedOptimizer:

@@ -21,7 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.errors import UnsupportedError
-from graphfuse.program import Program, TensorMeta
+from graphfuse.program import PassRun, Program, TensorMeta
 from graphfuse.strategy import Strategy
 
 log = logging.getLogger("graphfuse")
@@ -296,7 +296,7 @@ def capture(
         batch_spec=pytree.treespec_dumps(batch_spec) if all(tensor_leaf) else "",
     )
     inputs_meta = {s.name: tensor_meta(t) for s, t in zip(specs, examples)}
-    return Program(traced, signature, info.optim, inputs_meta, strategy=strategy, passes=("capture",))
+    return Program(traced, signature, info.optim, inputs_meta, strategy=strategy, passes=(PassRun("capture"),))
 
 
 def _trace_update(spec: gopt.GroupSpec, dtype: torch.dtype, device: str) -> torch.fx.Graph:

@@ -6,12 +6,24 @@ from __future__ import annotations
 from graphfuse import signature as sig
 from graphfuse.program import Program, TensorMeta
 
+from ._contract import expect
 from ._graph import add_input, aten, call, input_node, outputs, remove_input, set_outputs, sync_inputs
+
+NAME = "fuse_params"
+NEEDS: tuple[str, ...] = ()
+PROVIDES: tuple[str, ...] = ()
+
+
+def applies(program: Program) -> bool:
+    return True
 
 
 def requires(program: Program) -> None:
-    assert program.layout is not None, "plan buckets first"
-    assert not program.signature.names(sig.BUCKET), "parameters are already fused"
+    expect(program, NAME, program.layout is not None, "a bucket layout", "run plan_buckets first")
+    expect(program, NAME, not program.signature.names(sig.BUCKET), "parameters not fused yet")
+    new_params = set(program.signature.output_names(sig.NEW_PARAM))
+    missing = [f for f in program.layout.fqns if f not in new_params]
+    expect(program, NAME, not missing, f"a new-value output for every bucketed parameter (none for {missing})")
 
 
 def run(program: Program) -> Program:
@@ -44,6 +56,8 @@ def run(program: Program) -> Program:
 
 
 def ensures(program: Program) -> None:
-    assert not program.signature.names(sig.PARAM), "no per-parameter input remains"
-    assert not program.signature.output_names(sig.NEW_PARAM), "no per-parameter output remains"
-    assert len(program.signature.names(sig.BUCKET)) == len(program.layout.buckets)
+    expect(program, NAME, not program.signature.names(sig.PARAM), "no per-parameter input left")
+    expect(program, NAME, not program.signature.output_names(sig.NEW_PARAM), "no per-parameter output left")
+    names = [b.name for b in program.layout.buckets]
+    expect(program, NAME, program.signature.names(sig.BUCKET) == names, f"one bucket input per bucket, {names}")
+    expect(program, NAME, program.signature.output_names(sig.NEW_BUCKET) == names, f"one new-bucket output per bucket, {names}")

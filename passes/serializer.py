@@ -10,6 +10,11 @@ from graphfuse import signature as sig
 from graphfuse.layout import BucketLayout
 from graphfuse.program import Program
 
+from ._contract import expect
+
+NAME = "serializer"
+NEEDS: tuple[str, ...] = ()
+PROVIDES: tuple[str, ...] = ()
 MASTER = "master"
 
 
@@ -180,9 +185,13 @@ def derive_plan(
     )
 
 
+def applies(program: Program) -> bool:
+    return True
+
+
 def requires(program: Program) -> None:
-    assert program.layout is not None, "plan buckets first"
-    assert not program.signature.names(sig.STATE), "shard the optimizer states first"
+    expect(program, NAME, program.layout is not None, "a bucket layout", "run plan_buckets first")
+    expect(program, NAME, not program.signature.names(sig.STATE), "no per-parameter optimizer state", "run sharded_update first")
 
 
 def run(program: Program) -> Program:
@@ -197,12 +206,10 @@ def ensures(program: Program) -> None:
     plan = program.state_plan
     for mode in ("unbalanced", "balanced"):
         for p in plan.pieces(mode):
-            assert p.save or p.load
+            expect(program, NAME, p.save or p.load, f"piece {p.key} at {p.offsets} to be saved or loaded")
             n = 1
             for d in p.sizes:
                 n *= d
-            assert n == p.stop - p.start, (
-                f"piece {p.key} at {p.offsets}: sizes {p.sizes} do not hold {p.stop - p.start} elements"
-            )
+            expect(program, NAME, n == p.stop - p.start, f"piece {p.key} at {p.offsets}: sizes {p.sizes} holding its {p.stop - p.start} elements")
     keys = [p.key for p in plan.saved("unbalanced") if p.path[0] != "model"]
-    assert len(keys) == len(set(keys)), "unbalanced keys are unique"
+    expect(program, NAME, len(keys) == len(set(keys)), "unique unbalanced checkpoint keys")
