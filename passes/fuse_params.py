@@ -37,7 +37,7 @@ def run(program: Program) -> Program:
         for slot in bucket.slots:
             old = input_node(program, sig.PARAM, slot.fqn)
             with graph.inserting_before(first_op):
-                flat = call(graph, aten.slice.Tensor, node, 0, slot.offset, slot.offset + slot.numel, phase=sig.FORWARD)
+                flat = call(graph, aten.slice.Tensor, node, 0, *slot.data_range, phase=sig.FORWARD)
                 view = call(graph, aten.view.default, flat, list(slot.shape), phase=sig.FORWARD)
             old.replace_all_uses_with(view)
             remove_input(program, old)
@@ -46,8 +46,8 @@ def run(program: Program) -> Program:
             pieces = []
             for slot in bucket.slots:
                 flat = call(graph, aten.reshape.default, new_param[slot.fqn], [-1], phase=sig.OPTIMIZER)  # any layout
-                if slot.padded > slot.numel:
-                    flat = call(graph, aten.constant_pad_nd.default, flat, [0, slot.padded - slot.numel], 0.0, phase=sig.OPTIMIZER)
+                if slot.padding:
+                    flat = call(graph, aten.constant_pad_nd.default, flat, [0, slot.padding], 0.0, phase=sig.OPTIMIZER)
                 pieces.append(flat)
             packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, pieces, phase=sig.OPTIMIZER)
         pairs.append((sig.OutputSpec(sig.NEW_BUCKET, bucket.name, bucket.name), packed))
