@@ -87,6 +87,12 @@ class Slice:
         """The parameter's flat elements it holds, [start, stop)."""
         return self.param_start, self.param_start + self.numel
 
+    def boxes(self, shape: tuple[int, ...]) -> list[Box]:
+        """The chunks of the parameter (of `shape`) it holds, with start and stop counted in
+        shard elements: what a balanced checkpoint writes from this slice."""
+        shift = self.shard_start - self.param_start
+        return [Box(b.start + shift, b.stop + shift, b.offsets, b.sizes) for b in flat_boxes(shape, *self.param_range)]
+
 
 @dataclass(frozen=True)
 class Bucket:

@@ -227,6 +227,11 @@ def test_slice_ranges_name_the_same_elements_in_bucket_shard_and_parameter(param
                 p, q = s.param_range
                 assert lo <= a < b <= hi and (a - lo, b - lo) == (x, y) and b - a == q - p == s.numel
                 assert owner[a:b] == [(s.fqn, i) for i in range(p, q)]
+                boxes = s.boxes(bucket.slot(s.fqn).shape)
+                assert [(box.start, box.stop) for box in boxes] == [
+                    (box.start - p + x, box.stop - p + x) for box in flat_boxes(bucket.slot(s.fqn).shape, p, q)
+                ]
+                assert boxes[0].start == x and boxes[-1].stop == y
 
 
 def _numel(shape: tuple[int, ...]) -> int:
