@@ -3,7 +3,6 @@ signature, node creation with a phase, and inlining a traced function."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -14,13 +13,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from graphfuse import signature as sig
 from graphfuse.errors import PassContractError
 from graphfuse.program import Program, TensorMeta
+from graphfuse.tracing import placeholder_name
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-def sanitize(name: str) -> str:
-    return re.sub(r"\W", "_", name)
 
 
 def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -32,7 +28,7 @@ def add_input(program: Program, spec: sig.InputSpec, meta: TensorMeta) -> torch.
     graph = program.graph
     last = placeholders(graph)[-1]
     with graph.inserting_after(last):
-        node = graph.placeholder(sanitize(f"{spec.role}_{spec.name}"))
+        node = graph.placeholder(placeholder_name(spec))
     node.meta["gf_input"] = spec
     program.inputs_meta[spec.name] = meta
     return node

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from graphfuse import optim as gopt
 from graphfuse import signature as sig
-from graphfuse.capture import dtype_name
 from graphfuse.program import Program, TensorMeta
+from graphfuse.tracing import dtype_name, update_function
 
 from ._contract import expect
 from ._graph import (
@@ -75,15 +74,7 @@ def run(program: Program) -> Program:
         lo, hi = bucket.shard_range(rank)
         with graph.inserting_before(out_node):
             param = master_node if master else call(graph, aten.slice.Tensor, bucket_node, 0, lo, hi, phase=sig.OPTIMIZER)
-            names = spec.scalar_names
-
-            def fused(p, g, *rest, spec=spec, names=names):
-                states = dict(zip(spec.state_names, rest[: len(spec.state_names)]))
-                scalars = dict(zip(names, rest[len(spec.state_names) :]))
-                new_p, new_states = gopt.update(spec, p, g, states, scalars)
-                return [new_p, *(new_states[s] for s in spec.state_names)]
-
-            new = inline(graph, fused, [param, grad, *state_nodes, *scalar_nodes], [meta, meta, *([meta] * len(state_nodes)), *scalar_metas], sig.OPTIMIZER)
+            new = inline(graph, update_function(spec), [param, grad, *state_nodes, *scalar_nodes], [meta, meta, *([meta] * len(state_nodes)), *scalar_metas], sig.OPTIMIZER)
             new_param, new_states = new[0], new[1:]
             if master:
                 new_outputs.append((sig.OutputSpec(sig.NEW_SHARD, f"{bucket.name}.{MASTER}", f"{bucket.name}.{MASTER}"), new_param))
