@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,3 +151,13 @@ def test_verify_rejects_a_hand_off_to_a_node_outside_the_graph():
     program = program.handing_off(grad_shards=(stray, *program.handoffs.grad_shards[1:]))
     with pytest.raises(VerifyError, match="hand-off between passes names stray"):
         verify(program)
+
+
+def test_an_unexpected_error_in_a_pass_is_noted_with_the_pass_and_the_passes_before_it():
+    def broken_run(program):
+        raise ValueError("a bug")
+
+    broken = SimpleNamespace(NAME="broken", NEEDS=(), PROVIDES=(), applies=lambda p: True, requires=lambda p: None, run=broken_run, ensures=lambda p: None)
+    with pytest.raises(ValueError, match="a bug") as info:
+        passes.run_pipeline(mlp_program(), pipeline=[passes.plan_buckets, broken])
+    assert info.value.__notes__ == ["in graphfuse pass broken, after: capture, plan_buckets"]
