@@ -107,16 +107,12 @@ class _Batch:
         self.leaves, self.spec = pytree.tree_flatten(batch)
         self.is_tensor = [isinstance(x, torch.Tensor) for x in self.leaves]
         self.k = micro_batches
-        for x in self.tensors:
-            if self.k > 1 and (x.dim() == 0 or x.shape[0] % self.k):
+        for x in self.leaves:
+            if self.k > 1 and isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % self.k):
                 raise UnsupportedError(
                     f"grad_accumulation={self.k} splits every batch tensor along dim 0, but a batch leaf has "
                     f"shape {tuple(x.shape)}; use a batch whose first dimension is a multiple of {self.k}"
                 )
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [x for x, t in zip(self.leaves, self.is_tensor) if t]
 
     def micro_batches(self, tensors: list[torch.Tensor]) -> list:
         """The batch with `tensors` in place of its tensor leaves, split into k micro-batches."""
