@@ -13,8 +13,21 @@ from graphfuse.program import Handoffs, PassRun, Program
 
 from . import all_gather, clip_grad_norm, fuse_params, overlap, plan_buckets, reduce_scatter, serializer, sharded_update
 from ._contract import check_pipeline, expect_handoffs
-from ._graph import eliminate_dead_code, issues_collective
-from .verify import verify
+from ._graph import count_targets, eliminate_dead_code, is_collective, issues_collective
+from .verify import VerifyError, verify
+
+# What modules outside graphfuse.passes may use; the rest (_graph, _contract) is private.
+__all__ = [
+    "PIPELINE",
+    "VerifyError",
+    "count_targets",
+    "is_collective",
+    "issues_collective",
+    "pass_name",
+    "run_pass",
+    "run_pipeline",
+    "verify",
+]
 
 log = logging.getLogger("graphfuse.passes")
 

@@ -115,6 +115,7 @@ def eliminate_dead_code(program: Program) -> None:
 
 
 def is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective: one that starts communication, or the wait for one."""
     return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"
 
 
