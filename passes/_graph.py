@@ -34,12 +34,15 @@ def add_input(program: Program, spec: sig.InputSpec, meta: TensorMeta) -> torch.
     return node
 
 
-def input_node(program: Program, role: str, name: str) -> torch.fx.Node:
-    spec = sig.InputSpec(role, name)
-    for n in placeholders(program.graph):
-        if n.meta["gf_input"] == spec:
-            return n
-    raise KeyError(f"no {role} input named {name!r}")
+def input_nodes(program: Program) -> dict[sig.InputSpec, torch.fx.Node]:
+    """Every placeholder by its input spec (one scan, for passes that look up many)."""
+    return {n.meta["gf_input"]: n for n in placeholders(program.graph)}
+
+
+def grad_nodes(program: Program) -> dict[str, torch.fx.Node]:
+    """Every trainable parameter's gradient node, by FQN (one scan of the graph)."""
+    by_name = {n.name: n for n in program.graph.nodes}
+    return {fqn: by_name[name] for fqn, name in program.signature.grads.items()}
 
 
 def remove_input(program: Program, node: torch.fx.Node) -> None:

@@ -7,7 +7,7 @@ from graphfuse import signature as sig
 from graphfuse.program import Program, TensorMeta
 
 from ._contract import expect
-from ._graph import add_input, aten, call, input_node, outputs, remove_input, set_outputs, sync_inputs
+from ._graph import add_input, aten, call, input_nodes, outputs, remove_input, set_outputs, sync_inputs
 
 NAME = "fuse_params"
 NEEDS: tuple[str, ...] = ()
@@ -31,11 +31,12 @@ def run(program: Program) -> Program:
     pairs = outputs(program)
     new_param = {s.target: n for s, n in pairs if s.role == sig.NEW_PARAM}
     pairs = [(s, n) for s, n in pairs if s.role != sig.NEW_PARAM]
+    params = input_nodes(program)
     for bucket in program.layout.buckets:
         node = add_input(program, sig.InputSpec(sig.BUCKET, bucket.name), TensorMeta((bucket.size,), bucket.dtype, bucket.device))
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
         for slot in bucket.slots:
-            old = input_node(program, sig.PARAM, slot.fqn)
+            old = params[sig.InputSpec(sig.PARAM, slot.fqn)]
             with graph.inserting_before(first_op):
                 flat = call(graph, aten.slice.Tensor, node, 0, *slot.data_range, phase=sig.FORWARD)
                 view = call(graph, aten.view.default, flat, list(slot.shape), phase=sig.FORWARD)

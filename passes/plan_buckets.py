@@ -9,7 +9,7 @@ from graphfuse.layout import plan_buckets as plan
 from graphfuse.program import Program
 
 from ._contract import expect
-from ._graph import position, ready_position
+from ._graph import grad_nodes, position, ready_position
 
 NAME = "plan_buckets"
 NEEDS: tuple[str, ...] = ()
@@ -39,8 +39,7 @@ def run(program: Program) -> Program:
         params.append(ParamInfo(fqn, m.shape, m.dtype, m.device, group_of[fqn]))
     # Backward produces the last layer's gradient first: that order fills the buckets.
     grad_pos = {}
-    for fqn, name in program.signature.grads.items():
-        node = program.node(name)
+    for fqn, node in grad_nodes(program).items():
         grad_pos[fqn] = (ready_position(order, node), order[node])
     params.sort(key=lambda p: grad_pos[p.fqn])
     s = program.strategy

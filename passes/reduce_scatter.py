@@ -8,7 +8,7 @@ from graphfuse import signature as sig
 from graphfuse.program import Program
 
 from ._contract import expect
-from ._graph import aten, c10d, call, hoist, position
+from ._graph import aten, c10d, call, grad_nodes, hoist, position
 
 NAME = "reduce_scatter"
 NEEDS: tuple[str, ...] = ()
@@ -29,12 +29,13 @@ def run(program: Program) -> Program:
     graph, layout = program.graph, program.layout
     world = layout.world_size
     master = program.strategy.master_dtype
-    for name in program.signature.grads.values():
-        hoist(program.node(name))  # accumulated gradients: ready where the last backward made them
+    grad_of = grad_nodes(program)
+    for node in grad_of.values():
+        hoist(node)  # accumulated gradients: ready where the last backward made them
     order = position(graph)
     shards = []
     for bucket in layout.buckets:
-        grads = {fqn: program.node(program.signature.grads[fqn]) for fqn in bucket.fqns}
+        grads = {fqn: grad_of[fqn] for fqn in bucket.fqns}
         last = max(grads.values(), key=order.__getitem__)
         cast = master is not None and bucket.dtype != str(master).removeprefix("torch.")
         with graph.inserting_before(last.next):

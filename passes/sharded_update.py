@@ -19,6 +19,7 @@ from ._graph import (
     call,
     eliminate_dead_code,
     inline,
+    input_nodes,
     outputs,
     placeholders,
     remove_input,
@@ -56,6 +57,7 @@ def run(program: Program) -> Program:
     # dead-code elimination removes the ops only the old outputs needed.
     new_outputs = [(s, n) for s, n in outputs(program) if s.role not in (sig.NEW_BUCKET, sig.NEW_STATE)]
     out_node = graph.output_node()
+    inputs = input_nodes(program)
     param_shards = []
     for bucket, grad in zip(layout.buckets, program.handoffs.grad_shards):
         spec = program.optim.groups[bucket.group]
@@ -65,12 +67,9 @@ def run(program: Program) -> Program:
         master = uses_master(program, bucket)
         if master:
             master_node = add_input(program, sig.InputSpec(sig.SHARD, f"{bucket.name}.{MASTER}"), meta)
-        scalar_nodes = [
-            next(n for n in placeholders(graph) if n.meta["gf_input"] == sig.InputSpec(sig.SCALAR, f"group{bucket.group}.{s}"))
-            for s in spec.scalar_names
-        ]
+        scalar_nodes = [inputs[sig.InputSpec(sig.SCALAR, f"group{bucket.group}.{s}")] for s in spec.scalar_names]
         scalar_metas = [program.inputs_meta[f"group{bucket.group}.{s}"] for s in spec.scalar_names]
-        bucket_node = next(n for n in placeholders(graph) if n.meta["gf_input"] == sig.InputSpec(sig.BUCKET, bucket.name))
+        bucket_node = inputs[sig.InputSpec(sig.BUCKET, bucket.name)]
         lo, hi = bucket.shard_range(rank)
         with graph.inserting_before(out_node):
             param = master_node if master else call(graph, aten.slice.Tensor, bucket_node, 0, lo, hi, phase=sig.OPTIMIZER)
