@@ -161,3 +161,12 @@ def test_an_unexpected_error_in_a_pass_is_noted_with_the_pass_and_the_passes_bef
     with pytest.raises(ValueError, match="a bug") as info:
         passes.run_pipeline(mlp_program(), pipeline=[passes.plan_buckets, broken])
     assert info.value.__notes__ == ["in graphfuse pass broken, after: capture, plan_buckets"]
+
+
+def test_a_program_file_holds_the_names_of_the_passes_and_no_hand_off(tmp_path):
+    program = passes.run_pipeline(mlp_program(world=1), check=True)
+    gf.save_program(program, tmp_path / "prog")
+    text = "".join(f.read_text(errors="replace") for f in (tmp_path / "prog").rglob("*") if f.is_file())
+    assert "handoffs" not in text and "grad_shard" not in text and "PassRun" not in text
+    loaded = gf.load_program(tmp_path / "prog")
+    assert loaded.pass_names == program.pass_names and loaded.handoffs == Handoffs()
