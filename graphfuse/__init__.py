@@ -14,6 +14,7 @@ from graphfuse.errors import (
     CheckpointError,
     CheckpointMismatchError,
     GraphfuseError,
+    PassContractError,
     ProgramFormatError,
     UnsupportedError,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "CheckpointMismatchError",
     "DistModel",
     "GraphfuseError",
+    "PassContractError",
     "Program",
     "ProgramFormatError",
     "ShardedOptimizer",

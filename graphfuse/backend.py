@@ -5,8 +5,6 @@ one reduce-scatter per bucket, one fused update per shard, one all-gather per bu
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -14,16 +12,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
-from graphfuse.capture import tensor_meta
 from graphfuse.errors import UnsupportedError
 from graphfuse.inductor import compile_graph
 from graphfuse.passes import run_pipeline, verify
-from graphfuse.passes._graph import sanitize
-from graphfuse.program import Program
+from graphfuse.program import PassRun, Program
 from graphfuse.runtime import arguments, bind_tensors, compile_in_place, group_info, run_step
 from graphfuse.strategy import Strategy
-
-log = logging.getLogger("graphfuse")
+from graphfuse.tracing import fake_examples, name_placeholders, scalar_example, tensor_meta, update_function
 
 
 def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
@@ -35,53 +30,32 @@ def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tenso
 def capture_update(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, strategy: Strategy) -> Program:
     """Trace the optimizer update alone: inputs are parameters, their gradients, states and
     host scalars; outputs the new parameters and states (the fusion passes then shard it)."""
-    names = {id(p): n for n, p in params.items()}
-    optim = gopt.describe_optimizer(optimizer, names)
+    optim = gopt.describe_optimizer(optimizer, {id(p): n for n, p in params.items()})
     group_of = optim.group_of()
     trainable = [n for n in params if n in group_of]
-    specs, examples = [], []
-    for n in trainable:
-        specs.append(sig.InputSpec(sig.PARAM, n))
-        examples.append(params[n])
-    for n in trainable:
-        specs.append(sig.InputSpec(sig.GRAD, f"{n}.grad"))
-        examples.append(params[n])
-    for n in trainable:
-        for s in optim.groups[group_of[n]].state_names:
-            specs.append(sig.InputSpec(sig.STATE, f"{n}.{s}"))
-            examples.append(params[n])
-    for g, spec in enumerate(optim.groups):
-        for s in spec.scalar_names:
-            specs.append(sig.InputSpec(sig.SCALAR, f"group{g}.{s}"))
-            examples.append(torch.zeros((), dtype=torch.bool if s == "first" else torch.float64))
+    order = [n for spec in optim.groups for n in spec.params]
+    inputs = [(sig.InputSpec(sig.PARAM, n), params[n]) for n in trainable]
+    inputs += [(sig.InputSpec(sig.GRAD, f"{n}.grad"), params[n]) for n in trainable]
+    inputs += [(sig.InputSpec(sig.STATE, f"{n}.{s}"), params[n]) for n in trainable for s in optim.groups[group_of[n]].state_names]
+    inputs += [(sig.InputSpec(sig.SCALAR, f"group{g}.{s}"), scalar_example(s)) for g, spec in enumerate(optim.groups) for s in spec.scalar_names]
+    specs, examples = [s for s, _ in inputs], [t for _, t in inputs]
     index = {s.name: i for i, s in enumerate(specs)}
+    updates = [update_function(spec) for spec in optim.groups]
 
     def update(*flat):
         new_params, new_states = [], []
         for g, spec in enumerate(optim.groups):
-            scalars = {s: flat[index[f"group{g}.{s}"]] for s in spec.scalar_names}
+            scalars = [flat[index[f"group{g}.{s}"]] for s in spec.scalar_names]
             for n in spec.params:
-                states = {s: flat[index[f"{n}.{s}"]] for s in spec.state_names}
-                p, st = gopt.update(spec, flat[index[n]], flat[index[f"{n}.grad"]], states, scalars)
-                new_params.append(p)
-                new_states.extend(st[s] for s in spec.state_names)
+                states = [flat[index[f"{n}.{s}"]] for s in spec.state_names]
+                new = updates[g](flat[index[n]], flat[index[f"{n}.grad"]], *states, *scalars)
+                new_params.append(new[0])
+                new_states.extend(new[1:])
         return new_params, new_states
 
     mode = FakeTensorMode()
-    fakes = []
-    for spec, t in zip(specs, examples):
-        fake = mode.from_tensor(t)
-        if spec.role in (sig.GRAD, sig.STATE):  # fresh tensors: fakes are memoised per real tensor
-            with mode:
-                fake = torch.empty_like(fake)
-        fakes.append(fake)
-    gm = make_fx(update, tracing_mode="fake")(*fakes)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, spec in zip(placeholders, specs):
-        node._rename(sanitize(f"{spec.role}_{spec.name}"))
-        node.target = node.name
-        node.meta["gf_input"] = spec
-    order = [n for spec in optim.groups for n in spec.params]
+    gm = make_fx(update, tracing_mode="fake")(*fake_examples(mode, specs, examples))
+    placeholders = name_placeholders(gm.graph, specs)
     outputs = [sig.OutputSpec(sig.NEW_PARAM, n, n) for n in order]
     outputs += [sig.OutputSpec(sig.NEW_STATE, f"{n}.{s}", f"{n}.{s}") for n in order for s in optim.groups[group_of[n]].state_names]
     out = gm.graph.output_node()
@@ -93,7 +67,7 @@ def capture_update(params: dict[str, torch.nn.Parameter], optimizer: torch.optim
     grads = {n: placeholders[index[f"{n}.grad"]].name for n in trainable}
     signature = sig.Signature(inputs=tuple(specs), outputs=tuple(outputs), grads=grads)
     meta = {s.name: tensor_meta(t) for s, t in zip(specs, examples)}
-    return Program(gm, signature, optim, meta, strategy=strategy, passes=("capture_update",))
+    return Program(gm, signature, optim, meta, strategy=strategy, passes=(PassRun("capture_update"),))
 
 
 class ShardedOptimizer:

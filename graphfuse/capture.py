@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -21,18 +20,17 @@ from torch.nn.utils.stateless import _reparametrize_module
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.errors import UnsupportedError
-from graphfuse.program import Program, TensorMeta
+from graphfuse.program import PassRun, Program
 from graphfuse.strategy import Strategy
+from graphfuse.tracing import (
+    fake_examples,
+    name_placeholders,
+    scalar_example,
+    tensor_meta,
+    update_function,
+)
 
 log = logging.getLogger("graphfuse")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def tensor_meta(t: torch.Tensor) -> TensorMeta:
-    return TensorMeta(tuple(t.shape), dtype_name(t.dtype), t.device.type)
 
 
 def batch_key(batch) -> tuple:
@@ -59,6 +57,9 @@ def program_batch_key(program: Program) -> tuple:
     return (str(spec), tuple(program.inputs_meta[n] for n in program.signature.names(sig.BATCH)))
 
 
+# ---- capture ------------------------------------------------------------------------------
+
+
 @contextlib.contextmanager
 def presenting_as_compiling() -> Iterator[None]:
     """Make `torch.compiler.is_compiling()` true, as models written for torch.compile expect;
@@ -69,10 +70,6 @@ def presenting_as_compiling() -> Iterator[None]:
         yield
     finally:
         torch.compiler._is_compiling_flag = old
-
-
-def _sanitize(name: str) -> str:
-    return re.sub(r"\W", "_", name)
 
 
 class _ModelInfo:
@@ -103,6 +100,29 @@ class _ModelInfo:
                 raise UnsupportedError(f"parameter {fqn} is sparse; only dense parameters are supported")
 
 
+class _Batch:
+    """The example batch as leaves and a tree spec, and its split into micro-batches."""
+
+    def __init__(self, batch, micro_batches: int) -> None:
+        self.leaves, self.spec = pytree.tree_flatten(batch)
+        self.is_tensor = [isinstance(x, torch.Tensor) for x in self.leaves]
+        self.k = micro_batches
+        for x in self.leaves:
+            if self.k > 1 and isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % self.k):
+                raise UnsupportedError(
+                    f"grad_accumulation={self.k} splits every batch tensor along dim 0, but a batch leaf has "
+                    f"shape {tuple(x.shape)}; use a batch whose first dimension is a multiple of {self.k}"
+                )
+
+    def micro_batches(self, tensors: list[torch.Tensor]) -> list:
+        """The batch with `tensors` in place of its tensor leaves, split into k micro-batches."""
+        it = iter(tensors)
+        batch = pytree.tree_unflatten([next(it) if t else x for x, t in zip(self.leaves, self.is_tensor)], self.spec)
+        if self.k == 1:
+            return [batch]
+        return [pytree.tree_map(lambda x, i=i: x.chunk(self.k)[i] if isinstance(x, torch.Tensor) else x, batch) for i in range(self.k)]
+
+
 def capture(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -118,80 +138,70 @@ def capture(
     """
     strategy = strategy or Strategy()
     info = _ModelInfo(model, optimizer)
-    k = strategy.grad_accumulation
-    leaves, batch_spec = pytree.tree_flatten(example_batch)
-    tensor_leaf = [isinstance(x, torch.Tensor) for x in leaves]
-    if k > 1:
-        for x in leaves:
-            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % k):
-                raise UnsupportedError(
-                    f"grad_accumulation={k} splits every batch tensor along dim 0, but a batch leaf has "
-                    f"shape {tuple(x.shape)}; use a batch whose first dimension is a multiple of {k}"
-                )
+    batch = _Batch(example_batch, strategy.grad_accumulation)
+    specs, examples = _step_inputs(info, batch)
+    traced = _trace(_step_function(model, loss_fn, info, batch), specs, examples)
+    loss, new_buffers, grads = _step_outputs(traced.graph, len(info.buffers))
+    outputs = [(sig.OutputSpec(sig.LOSS, "loss"), loss)]
+    outputs += _add_updates(traced.graph, info, dict(zip(info.trainable, grads)))
+    outputs += _changed_buffers(traced.graph, info, new_buffers)
+    traced.graph.output_node().args = (tuple(n for _, n in outputs),)
+    traced.graph.eliminate_dead_code()
+    _mark_phases(traced.graph, loss, new_buffers, grads)
+    traced.recompile()
+    signature = sig.Signature(
+        inputs=tuple(specs),
+        outputs=tuple(s for s, _ in outputs),
+        grads={fqn: n.name for fqn, n in zip(info.trainable, grads)},
+        aliases=dict(info.aliases),
+        batch_spec=pytree.treespec_dumps(batch.spec) if all(batch.is_tensor) else "",
+    )
+    inputs_meta = {s.name: tensor_meta(t) for s, t in zip(specs, examples)}
+    return Program(traced, signature, info.optim, inputs_meta, strategy=strategy, passes=(PassRun("capture"),))
 
-    specs: list[sig.InputSpec] = []
-    examples: list[torch.Tensor] = []
 
-    def add_input(role: str, name: str, t: torch.Tensor) -> None:
-        specs.append(sig.InputSpec(role, name))
-        examples.append(t)
-
-    for fqn in info.trainable:
-        add_input(sig.PARAM, fqn, info.params[fqn])
-    for fqn in info.frozen:
-        add_input(sig.FROZEN, fqn, info.params[fqn])
-    for fqn, b in info.buffers.items():
-        add_input(sig.BUFFER, fqn, b)
-    for fqn in info.trainable:
-        p = info.params[fqn]
-        for s in info.optim.groups[info.group_of[fqn]].state_names:
-            add_input(sig.STATE, f"{fqn}.{s}", p)  # shape and dtype only: tracing is fake
+def _step_inputs(info: _ModelInfo, batch: _Batch) -> tuple[list[sig.InputSpec], list[torch.Tensor]]:
+    """The program's inputs in order, each with an example tensor of its shape and dtype."""
+    inputs = [(sig.InputSpec(sig.PARAM, f), info.params[f]) for f in info.trainable]
+    inputs += [(sig.InputSpec(sig.FROZEN, f), info.params[f]) for f in info.frozen]
+    inputs += [(sig.InputSpec(sig.BUFFER, f), b) for f, b in info.buffers.items()]
+    for fqn in info.trainable:  # a state is shaped like its parameter (tracing is fake)
+        inputs += [(sig.InputSpec(sig.STATE, f"{fqn}.{s}"), info.params[fqn]) for s in info.optim.groups[info.group_of[fqn]].state_names]
     for g, gspec in enumerate(info.optim.groups):
-        for s in gspec.scalar_names:
-            dtype = torch.bool if s == "first" else torch.float64
-            add_input(sig.SCALAR, f"group{g}.{s}", torch.zeros((), dtype=dtype))
-    for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor):
-            add_input(sig.BATCH, f"batch.{i}", x)
+        inputs += [(sig.InputSpec(sig.SCALAR, f"group{g}.{s}"), scalar_example(s)) for s in gspec.scalar_names]
+    inputs += [(sig.InputSpec(sig.BATCH, f"batch.{i}"), x) for i, x in enumerate(batch.leaves) if isinstance(x, torch.Tensor)]
+    return [s for s, _ in inputs], [t for _, t in inputs]
 
-    roles = [s.role for s in specs]
+
+def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch) -> Callable:
+    """The step as a function of the inputs in `_step_inputs` order (the optimizer's states
+    and scalars are passed and unused: the update is added per group afterwards), returning
+    (loss, new buffers, gradients)."""
     n_train, n_frozen, n_buf = len(info.trainable), len(info.frozen), len(info.buffers)
-    buffer_names = list(info.buffers)
+    n_batch = sum(batch.is_tensor)
+
+    def loss_of(params, frozen, buffers, micro_batch):
+        buffers = [b.clone() for b in buffers]  # the forward may update buffers in place
+        tensors = dict(zip(info.trainable, params))
+        tensors.update(zip(info.frozen, frozen))
+        tensors.update(zip(info.buffers, buffers))
+        for alias, canonical in info.aliases.items():
+            tensors[alias] = tensors[canonical]
+        with _reparametrize_module(model, tensors):
+            loss = loss_fn(model, micro_batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise UnsupportedError("loss_fn(model, batch) must return a scalar tensor")
+        return (loss / batch.k if batch.k > 1 else loss), buffers
 
     def step(*flat):
-        flat = list(flat)
-        params = flat[:n_train]
-        frozen = flat[n_train : n_train + n_frozen]
-        buffers = flat[n_train + n_frozen : n_train + n_frozen + n_buf]
-        batch_tensors = iter([flat[i] for i, r in enumerate(roles) if r == sig.BATCH])
-        batch_leaves = [next(batch_tensors) if is_t else x for x, is_t in zip(leaves, tensor_leaf)]
-        batch = pytree.tree_unflatten(batch_leaves, batch_spec)
-        micro_batches = [batch] if k == 1 else [
-            pytree.tree_map(lambda x, i=i: x.chunk(k)[i] if isinstance(x, torch.Tensor) else x, batch) for i in range(k)
-        ]
-
-        def loss_of(train_params, bufs, mb):
-            bufs = [b.clone() for b in bufs]  # the forward may update buffers in place
-            tensors = dict(zip(info.trainable, train_params))
-            tensors.update(zip(info.frozen, frozen))
-            tensors.update(zip(buffer_names, bufs))
-            for alias, canonical in info.aliases.items():
-                tensors[alias] = tensors[canonical]
-            with _reparametrize_module(model, tensors):
-                loss = loss_fn(model, mb)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise UnsupportedError("loss_fn(model, batch) must return a scalar tensor")
-            if k > 1:
-                loss = loss / k
-            return loss, bufs
-
+        params, frozen = list(flat[:n_train]), flat[n_train : n_train + n_frozen]
+        buffers = list(flat[n_train + n_frozen : n_train + n_frozen + n_buf])
+        grads = total = None
         # torch.autograd.grad (as AOTAutograd's joint graph does), not torch.func.grad: functorch
         # decomposes some backward kernels (silu_backward) into ops that round differently.
-        grads = None
-        total = None
         with presenting_as_compiling(), torch.enable_grad():
-            for mb in micro_batches:
-                loss, buffers = loss_of(params, buffers, mb)
+            for micro_batch in batch.micro_batches(list(flat[len(flat) - n_batch :])):
+                loss, buffers = loss_of(params, frozen, buffers, micro_batch)
                 g = torch.autograd.grad(loss, params, allow_unused=True)
                 unused = [f for f, x in zip(info.trainable, g) if x is None]
                 if unused:
@@ -203,22 +213,20 @@ def capture(
                 grads = list(g) if grads is None else [a + b for a, b in zip(grads, g)]
                 loss = loss.detach()
                 total = loss if total is None else total + loss
-
         return total, buffers, grads
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_examples = []
-    for s, t in zip(specs, examples):
-        fake = fake_mode.from_tensor(t)
-        if s.role == sig.STATE:  # a fresh tensor: fakes are memoised per real tensor
-            with fake_mode:
-                fake = torch.empty_like(fake)
-        if s.role == sig.PARAM:
+    return step
+
+
+def _trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tensor]) -> torch.fx.GraphModule:
+    """make_fx of the functionalized step on fake tensors, placeholders named after `specs`."""
+    fakes = fake_examples(FakeTensorMode(allow_non_fake_inputs=True), specs, examples)
+    for spec, fake in zip(specs, fakes):
+        if spec.role == sig.PARAM:
             fake.requires_grad_(True)
-        fake_examples.append(fake)
     t0 = time.perf_counter()
     try:
-        traced = make_fx(_functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fake_examples)
+        traced = make_fx(_functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
         raise UnsupportedError(
             f"the training step reads a tensor's value on the host ({e}: .item(), float(t), int(t), "
@@ -227,98 +235,73 @@ def capture(
             "of `if`), or guard the code with torch.compiler.is_compiling(), which is true while tracing"
         ) from e
     log.debug("traced the step in %.2fs", time.perf_counter() - t0)
+    name_placeholders(traced.graph, specs)
+    return traced
 
-    # step() returned (loss, buffers, grads); the output node holds them flattened, in order.
-    graph = traced.graph
-    out_node = graph.output_node()
-    flat_out = [x for x in pytree.tree_leaves(out_node.args) if isinstance(x, torch.fx.Node)]
-    loss_n, buf_outs, grad_outs = flat_out[0], flat_out[1 : 1 + n_buf], flat_out[1 + n_buf :]
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    for node, s in zip(placeholders, specs):
-        node._rename(_sanitize(f"{s.role}_{s.name}"))
-        node.target = node.name
-        node.meta["gf_input"] = s
 
-    # The optimizer update is elementwise, the same ops for every parameter of a group: trace
-    # it once per group and copy it per parameter, far cheaper than dispatching every op through
-    # functionalization and fake tensors again. Every node it copies has the parameter's shape
-    # and dtype (_trace_update checks), so each gets a fake value shaped like the parameter.
-    by_name = {s.name: n for n, s in zip(placeholders, specs)}
-    grad_of = dict(zip(info.trainable, grad_outs))
+def _step_outputs(graph: torch.fx.Graph, n_buffers: int) -> tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]:
+    """(loss, new buffers, gradients): the step's (loss, buffers, grads), flattened in the output node."""
+    flat = [x for x in pytree.tree_leaves(graph.output_node().args) if isinstance(x, torch.fx.Node)]
+    return flat[0], flat[1 : 1 + n_buffers], flat[1 + n_buffers :]
+
+
+def _add_updates(graph: torch.fx.Graph, info: _ModelInfo, grad_of: dict[str, torch.fx.Node]) -> list[tuple[sig.OutputSpec, torch.fx.Node]]:
+    """Append the optimizer update of every trainable parameter; return the new parameters'
+    and states' outputs.
+
+    The update is elementwise, the same ops for every parameter of a group: it is traced once
+    per group and copied per parameter, far cheaper than dispatching every op through
+    functionalization and fake tensors again. Every node it copies has the parameter's shape
+    and dtype (_trace_update checks), so each gets a fake value shaped like the parameter."""
+    by_name = {n.meta["gf_input"].name: n for n in graph.nodes if n.op == "placeholder"}
     templates: dict[tuple, torch.fx.Graph] = {}
-    outputs: list[sig.OutputSpec] = [sig.OutputSpec(sig.LOSS, "loss")]
-    out_args: list[torch.fx.Node] = [loss_n]
     new_params, new_states = [], []
     for g, gspec in enumerate(info.optim.groups):
-        scalar_nodes = [by_name[f"group{g}.{s}"] for s in gspec.scalar_names]
+        scalars = [by_name[f"group{g}.{s}"] for s in gspec.scalar_names]
         for fqn in gspec.params:
             p = info.params[fqn]
             key = (g, p.dtype, p.device.type)
             if key not in templates:
                 templates[key] = _trace_update(gspec, p.dtype, p.device.type)
             template = templates[key]
-            param_val = by_name[fqn].meta["val"]
-            args = [by_name[fqn], grad_of[fqn], *(by_name[f"{fqn}.{s}"] for s in gspec.state_names), *scalar_nodes]
+            args = [by_name[fqn], grad_of[fqn], *(by_name[f"{fqn}.{s}"] for s in gspec.state_names), *scalars]
             val_map = dict(zip([n for n in template.nodes if n.op == "placeholder"], args))
-            with graph.inserting_before(out_node):
+            with graph.inserting_before(graph.output_node()):
                 new = graph.graph_copy(template, val_map)
+            param_val = by_name[fqn].meta["val"]
             with param_val.fake_mode:
                 for t_node in template.nodes:
                     if t_node.op == "call_function":
                         val_map[t_node].meta["val"] = torch.empty_like(param_val)
-            new_params.append((fqn, new[0]))
-            new_states.extend((f"{fqn}.{s}", n) for s, n in zip(gspec.state_names, new[1:]))
-    for fqn, n in new_params:
-        outputs.append(sig.OutputSpec(sig.NEW_PARAM, fqn, fqn))
-        out_args.append(n)
-    for name, n in new_states:
-        outputs.append(sig.OutputSpec(sig.NEW_STATE, name, name))
-        out_args.append(n)
-    for fqn, n, ph in zip(buffer_names, buf_outs, placeholders[n_train + n_frozen :]):
-        if _unchanged(n, ph):
-            continue  # the forward did not write this buffer
-        outputs.append(sig.OutputSpec(sig.NEW_BUFFER, fqn, fqn))
-        out_args.append(n)
-    out_node.args = (tuple(out_args),)
-    traced.graph.eliminate_dead_code()
+            new_params.append((sig.OutputSpec(sig.NEW_PARAM, fqn, fqn), new[0]))
+            new_states += [(sig.OutputSpec(sig.NEW_STATE, f"{fqn}.{s}", f"{fqn}.{s}"), n) for s, n in zip(gspec.state_names, new[1:])]
+    return new_params + new_states
 
-    grad_names = {}
-    for fqn, n in zip(info.trainable, grad_outs):
-        grad_names[fqn] = n.name
-    _mark_phases(traced.graph, loss_n, buf_outs, grad_outs)
-    traced.recompile()
 
-    signature = sig.Signature(
-        inputs=tuple(specs),
-        outputs=tuple(outputs),
-        grads=grad_names,
-        aliases=dict(info.aliases),
-        batch_spec=pytree.treespec_dumps(batch_spec) if all(tensor_leaf) else "",
-    )
-    inputs_meta = {s.name: tensor_meta(t) for s, t in zip(specs, examples)}
-    return Program(traced, signature, info.optim, inputs_meta, strategy=strategy, passes=("capture",))
+def _changed_buffers(graph: torch.fx.Graph, info: _ModelInfo, new_buffers: list[torch.fx.Node]) -> list[tuple[sig.OutputSpec, torch.fx.Node]]:
+    """Outputs for the buffers the forward wrote (a buffer returned as it came in is not)."""
+    by_name = {n.meta["gf_input"].name: n for n in graph.nodes if n.op == "placeholder"}
+    return [
+        (sig.OutputSpec(sig.NEW_BUFFER, fqn, fqn), n)
+        for fqn, n in zip(info.buffers, new_buffers)
+        if not _unchanged(n, by_name[fqn])
+    ]
 
 
 def _trace_update(spec: gopt.GroupSpec, dtype: torch.dtype, device: str) -> torch.fx.Graph:
-    """`gopt.update` of one parameter as a graph whose placeholders are (param, grad, *states,
-    *scalars) and whose output is [new param, *new states]; every op in it is elementwise and
-    gives a tensor of the parameter's shape and dtype, so it serves parameters of any shape."""
-
-    def fn(p, g, *rest):
-        states = dict(zip(spec.state_names, rest[: len(spec.state_names)]))
-        scalars = dict(zip(spec.scalar_names, rest[len(spec.state_names) :]))
-        new_p, new_states = gopt.update(spec, p, g, states, scalars)
-        return [new_p, *(new_states[s] for s in spec.state_names)]
-
+    """`update_function(spec)` of one parameter as a graph whose placeholders are (param, grad,
+    *states, *scalars) and whose output is [new param, *new states]; every op in it is
+    elementwise and gives a tensor of the parameter's shape and dtype, so it serves parameters
+    of any shape."""
     shape = (2, 3)
     with FakeTensorMode():
         tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2 + len(spec.state_names))]
-        scalars = [torch.zeros((), dtype=torch.bool if s == "first" else torch.float64) for s in spec.scalar_names]
-    graph = make_fx(fn, tracing_mode="fake")(*tensors, *scalars).graph
+        scalars = [scalar_example(s) for s in spec.scalar_names]
+    graph = make_fx(update_function(spec), tracing_mode="fake")(*tensors, *scalars).graph
     for n in graph.nodes:
         val = n.meta.get("val")
         if n.op == "call_function" and (tuple(val.shape) != shape or val.dtype != dtype):
-            raise AssertionError(f"the {spec.kind} update is not elementwise: {n.format_node()} gives {val.shape} {val.dtype}")
+            raise UnsupportedError(f"the {spec.kind} update is not elementwise: {n.format_node()} gives {val.shape} {val.dtype}")
     return graph
 
 

@@ -19,3 +19,8 @@ class CheckpointMismatchError(CheckpointError):
 
 class ProgramFormatError(GraphfuseError):
     """A program file that is missing, truncated, altered, too new, or names an unknown operator."""
+
+
+class PassContractError(GraphfuseError):
+    """A pass found the program it was given, or the one it made, breaking its contract (a bug
+    in graphfuse or in a custom pipeline); the message names the pass and the passes before it."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +51,16 @@ class Slot:
     numel: int
     padded: int
 
+    @property
+    def data_range(self) -> tuple[int, int]:
+        """The bucket elements that hold the parameter, [start, stop)."""
+        return self.offset, self.offset + self.numel
+
+    @property
+    def padding(self) -> int:
+        """How many zero elements follow the parameter in the bucket."""
+        return self.padded - self.numel
+
 
 @dataclass(frozen=True)
 class Slice:
@@ -65,6 +76,22 @@ class Slice:
     @property
     def numel(self) -> int:
         return self.shard_end - self.shard_start
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """The elements of the rank's shard (and of every state shard) that hold it, [start, stop)."""
+        return self.shard_start, self.shard_end
+
+    @property
+    def param_range(self) -> tuple[int, int]:
+        """The parameter's flat elements it holds, [start, stop)."""
+        return self.param_start, self.param_start + self.numel
+
+    def boxes(self, shape: tuple[int, ...]) -> list[Box]:
+        """The chunks of the parameter (of `shape`) it holds, with start and stop counted in
+        shard elements: what a balanced checkpoint writes from this slice."""
+        shift = self.shard_start - self.param_start
+        return [Box(b.start + shift, b.stop + shift, b.offsets, b.sizes) for b in flat_boxes(shape, *self.param_range)]
 
 
 @dataclass(frozen=True)
@@ -94,7 +121,13 @@ class Bucket:
         return self.size * itemsize(self.dtype)
 
     def shard_range(self, rank: int) -> tuple[int, int]:
+        """The bucket elements that are rank `rank`'s shard, [start, stop)."""
         return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def bucket_range(self, rank: int, s: Slice) -> tuple[int, int]:
+        """The bucket elements of `s`, one of `slices(rank)`, [start, stop)."""
+        lo, _ = self.shard_range(rank)
+        return lo + s.shard_start, lo + s.shard_end
 
     def slices(self, rank: int) -> tuple[Slice, ...]:
         """The parameters' data (never their padding) inside rank `rank`'s shard, in bucket order."""
@@ -172,6 +205,43 @@ class BucketLayout:
             for i, b in enumerate(d["buckets"])
         )
         return cls(ws, d["align_bytes"], d["bucket_bytes"], buckets)
+
+
+class Box(NamedTuple):
+    """Flat elements [start, stop) of a tensor that are its chunk at `offsets` of size `sizes`."""
+
+    start: int
+    stop: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
+    """Split the flat element range [lo, hi) of a tensor of `shape` into the fewest boxes that
+    are each contiguous in the tensor, in order: at most 2·ndim−1 of them."""
+    if not shape:
+        return [Box(lo, hi, (), ())] if hi > lo else []
+    n = len(shape)
+    strides = [1] * n
+    for k in range(n - 2, -1, -1):
+        strides[k] = strides[k + 1] * shape[k + 1]
+    total = strides[0] * shape[0]
+    out, x = [], lo
+    while x < hi:
+        # The coarsest dimension k whose unit block starts at x and fits: the box ranges over
+        # dim k, is full in every later dim, and stays inside one block of dim k-1.
+        k = next(k for k in range(n) if x % strides[k] == 0 and x + strides[k] <= hi)
+        outer = total if k == 0 else strides[k - 1]
+        y = min(hi - (hi - x) % strides[k], (x // outer + 1) * outer)
+        index, rem = [], x
+        for s in strides:
+            index.append(rem // s)
+            rem %= s
+        offsets = tuple(index[: k + 1]) + (0,) * (n - k - 1)
+        sizes = (1,) * k + ((y - x) // strides[k],) + tuple(shape[k + 1 :])
+        out.append(Box(x, y, offsets, sizes))
+        x = y
+    return out
 
 
 def _round_up(n: int, m: int) -> int:

@@ -29,7 +29,7 @@ from graphfuse import signature as sig
 from graphfuse.errors import GraphfuseError, ProgramFormatError, UnsupportedError
 from graphfuse.layout import BucketLayout
 from graphfuse.optim import GroupSpec, OptimSpec
-from graphfuse.program import Program, TensorMeta
+from graphfuse.program import PassRun, Program, TensorMeta
 from graphfuse.strategy import Strategy
 
 FORMAT_NAME = "graphfuse-program"
@@ -42,7 +42,7 @@ FILES = (PROGRAM, GRAPH, CONSTANTS)  # what a manifest may list; manifest.json l
 OP_NAMESPACES = ("aten", "prims", "_c10d_functional")
 BUILTINS: dict[str, Any] = {"operator.getitem": operator.getitem}
 
-_KNOWN_FIELDS = ("graph_module", "signature", "optim", "inputs_meta", "strategy", "layout", "passes", "world_size", "rank", "group_name")
+_KNOWN_FIELDS = ("graph_module", "signature", "optim", "inputs_meta", "strategy", "layout", "passes", "world_size", "rank", "group_name", "handoffs")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
@@ -402,7 +402,7 @@ def _program_to_json(program: Program) -> dict:
         "strategy": program.strategy.to_json(),
         "layout": None if layout is None else layout.to_json(),
         "layout_fingerprint": None if layout is None else layout.fingerprint,
-        "passes": list(program.passes),
+        "passes": list(program.pass_names),
         "world_size": program.world_size,
         "rank": program.rank,
         "group_name": program.group_name,
@@ -417,7 +417,7 @@ def _program_from_json(d, gm: torch.fx.GraphModule) -> Program:
     for s in signature.inputs:
         if s.role not in sig.INPUT_ROLES:
             raise _Malformed(f"input {s.name!r} has unknown role {s.role!r}")
-    for what, mapping in (("grads", signature.grads), ("aliases", signature.aliases), ("marks", signature.marks)):
+    for what, mapping in (("grads", signature.grads), ("aliases", signature.aliases)):
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
             raise _Malformed(f"signature.{what} must map strings to strings")
     if not isinstance(signature.batch_spec, str):
@@ -464,7 +464,7 @@ def _program_from_json(d, gm: torch.fx.GraphModule) -> Program:
         inputs_meta=inputs_meta,
         strategy=Strategy.from_json(strategy),
         layout=layout,
-        passes=tuple(passes),
+        passes=tuple(PassRun(p) for p in passes),
         world_size=world_size,
         rank=rank,
         group_name=group_name,
@@ -612,24 +612,22 @@ def _shapes(val):
 def _verified(program: Program, path: Path) -> Program:
     """Verify the program, and run it on fake tensors: every operator must accept its
     arguments and give the shape and dtype the file's meta records."""
-    from graphfuse.passes.verify import verify
+    from graphfuse.passes.verify import check_values, fake_values, verify
 
     try:
         verify(program, propagate=False)
     except GraphfuseError as e:
         raise ProgramFormatError(f"{path}: the graph and the program metadata disagree: {e}") from None
-    saved = {n: dict(n.meta) for n in program.graph.nodes}
     try:
-        verify(program, propagate=True)
+        values = fake_values(program)
+        check_values(program, values)
     except Exception as e:  # whatever an operator raises on arguments it does not accept
         raise ProgramFormatError(f"{path / GRAPH}: the graph does not run on fake tensors ({type(e).__name__}: {_short(e)})") from None
-    for node, meta in saved.items():
-        if "val" in meta and _shapes(node.meta.get("val")) != _shapes(meta["val"]):
+    for node in program.graph.nodes:
+        if "val" in node.meta and _shapes(values.get(node)) != _shapes(node.meta["val"]):
             raise ProgramFormatError(
-                f"{path / GRAPH}: node {node.name}: meta records {_shapes(meta['val'])}, its operator gives {_shapes(node.meta.get('val'))}"
+                f"{path / GRAPH}: node {node.name}: meta records {_shapes(node.meta['val'])}, its operator gives {_shapes(values.get(node))}"
             )
-        node.meta.clear()  # the program keeps the meta its file holds, no more
-        node.meta.update(meta)
     return program
 
 
@@ -651,7 +649,7 @@ def cli_info(path: str, code: bool = False) -> int:
     console.print(f"rank {program.rank} of {program.world_size}, process group {program.group_name or '-'}; "
                   f"optimizer {program.optim.cls_name}, param groups: {len(program.optim.groups)}")
     console.print("files: " + ", ".join(f"{name} {entry['bytes']:,} B" for name, entry in manifest["files"].items()))
-    console.print("passes: " + " → ".join(program.passes))
+    console.print("passes: " + " → ".join(program.pass_names))
     if program.layout is not None:
         layout = program.layout
         t = Table(title=f"layout {layout.fingerprint}: {len(layout.buckets)} buckets, align {layout.align_bytes} B, cap {layout.bucket_bytes} B")

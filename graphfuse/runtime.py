@@ -60,11 +60,11 @@ def bind_tensors(
             device = params[bucket.slots[0].fqn].device
             flat = torch.zeros(bucket.size, dtype=getattr(torch, bucket.dtype), device=device)
             for s in bucket.slots:
-                flat[s.offset : s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
+                flat[slice(*s.data_range)].copy_(params[s.fqn].detach().reshape(-1))
             if layout.world_size > 1:  # every rank starts from rank 0's weights, as DDP does
                 dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
             for s in bucket.slots:
-                params[s.fqn].data = flat[s.offset : s.offset + s.numel].view(s.shape)
+                params[s.fqn].data = flat[slice(*s.data_range)].view(s.shape)
             tensors[bucket.name] = flat
         for spec in program.signature.inputs:
             m = program.inputs_meta[spec.name]
@@ -284,9 +284,8 @@ class DistModel:
         """This rank's `slice@<fqn>` views: the parameter's data in the bucket shard, and
         `slice@<fqn>.<state>` in every state shard (and `.master`), padding excluded."""
         for bucket in self.layout.buckets:
-            lo, _ = bucket.shard_range(self.rank)
             shards = [n for n in self.tensors if n.startswith(bucket.name + ".")]
             for s in bucket.slices(self.rank):
-                yield f"slice@{s.fqn}", self.tensors[bucket.name][lo + s.shard_start : lo + s.shard_end]
+                yield f"slice@{s.fqn}", self.tensors[bucket.name][slice(*bucket.bucket_range(self.rank, s))]
                 for name in shards:
-                    yield f"slice@{s.fqn}.{name.split('.', 1)[1]}", self.tensors[name][s.shard_start : s.shard_end]
+                    yield f"slice@{s.fqn}.{name.split('.', 1)[1]}", self.tensors[name][slice(*s.shard_range)]

@@ -55,8 +55,6 @@ class Signature:
     grads: dict[str, str] = field(default_factory=dict)  # param fqn -> gradient node name
     aliases: dict[str, str] = field(default_factory=dict)  # tied fqn -> canonical fqn
     batch_spec: str = ""  # torch.utils._pytree.treespec_dumps of the batch
-    marks: dict[str, str] = field(default_factory=dict)  # values one pass hands the next, e.g.
-    # "grad_shard:bucket0" -> node name of bucket 0's reduced gradient shard
 
     def names(self, role: str) -> list[str]:
         return [s.name for s in self.inputs if s.role == role]
@@ -80,7 +78,6 @@ class Signature:
             "grads": dict(self.grads),
             "aliases": dict(self.aliases),
             "batch_spec": self.batch_spec,
-            "marks": dict(self.marks),
         }
 
     @classmethod
@@ -91,5 +88,4 @@ class Signature:
             grads=dict(d["grads"]),
             aliases=dict(d["aliases"]),
             batch_spec=d["batch_spec"],
-            marks=dict(d.get("marks", {})),
         )

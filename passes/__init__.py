@@ -1,18 +1,35 @@
-"""graphfuse.passes: one rewrite per module, each `Program -> Program` with `requires` and
-`ensures` checks. `PIPELINE` reads top to bottom as what happens to a captured step."""
+"""graphfuse.passes: one rewrite per module, each `Program -> Program` with `applies`, `requires`
+and `ensures`, and the hand-offs it NEEDS and PROVIDES. `PIPELINE` reads top to bottom as what
+happens to a captured step; `run_pipeline` runs it, checks every contract and records statistics."""
 
 from __future__ import annotations
 
 import logging
+import time
 from types import ModuleType
 
-from graphfuse.program import Program
+from graphfuse.errors import GraphfuseError
+from graphfuse.program import Handoffs, PassRun, Program
 
 from . import all_gather, clip_grad_norm, fuse_params, overlap, plan_buckets, reduce_scatter, serializer, sharded_update
-from ._graph import eliminate_dead_code
-from .verify import verify
+from ._contract import check_pipeline, expect_handoffs
+from ._graph import count_targets, eliminate_dead_code, is_collective, issues_collective
+from .verify import VerifyError, verify
 
-log = logging.getLogger("graphfuse")
+# What modules outside graphfuse.passes may use; the rest (_graph, _contract) is private.
+__all__ = [
+    "PIPELINE",
+    "VerifyError",
+    "count_targets",
+    "is_collective",
+    "issues_collective",
+    "pass_name",
+    "run_pass",
+    "run_pipeline",
+    "verify",
+]
+
+log = logging.getLogger("graphfuse.passes")
 
 PIPELINE: list[ModuleType] = [
     plan_buckets,  # BucketLayout from shapes, dtypes and the backward's gradient order
@@ -21,27 +38,57 @@ PIPELINE: list[ModuleType] = [
     clip_grad_norm,  # (if max_grad_norm) global norm over shards, one all-reduce
     sharded_update,  # one fused optimizer update per bucket shard
     all_gather,  # one all-gather per bucket back into the bucket
-    overlap,  # wait for each collective only where its result is first used
+    overlap,  # (if overlap) wait for each collective only where its result is first used
     serializer,  # the save and load plan of both checkpoint modes
 ]
 
 
 def pass_name(p: ModuleType) -> str:
-    return p.__name__.rsplit(".", 1)[-1]
+    return p.NAME
 
 
-def run_pipeline(program: Program, check: bool = False) -> Program:
-    """Run every pass in PIPELINE; with `check`, verify the program after each one."""
-    for p in PIPELINE:
-        if p is clip_grad_norm and program.strategy.max_grad_norm is None:
-            continue
-        p.requires(program)
-        program = p.run(program)
-        p.ensures(program)
-        program.graph_module.recompile()
-        program = program.with_(passes=program.passes + (pass_name(p),))
-        if check:
-            verify(program, propagate=True)
+def _collectives(program: Program) -> int:
+    return sum(1 for n in program.graph.nodes if issues_collective(n))
+
+
+def run_pass(program: Program, p: ModuleType, check: bool = False) -> Program:
+    """Run pass `p` if it applies: its contracts before and after, its statistics recorded in
+    `Program.passes` and logged at DEBUG; with `check`, `verify` the result."""
+    if not p.applies(program):
+        log.debug("%s: does not apply", p.NAME)
+        return program
+    expect_handoffs(program, p.NAME, p.NEEDS, "which an earlier pass provides")
+    p.requires(program)
+    before, collectives, t0 = set(program.graph.nodes), _collectives(program), time.perf_counter()
+    try:
+        out = p.run(program)
+    except GraphfuseError:
+        raise
+    except Exception as e:  # a bug: say where it happened, as torch.fx's PassManager does
+        e.add_note(f"in graphfuse pass {p.NAME}, after: {', '.join(program.pass_names) or 'none'}")
+        raise
+    expect_handoffs(out, p.NAME, p.PROVIDES, "which this pass provides")
+    p.ensures(out)
+    out.graph_module.recompile()
+    after = set(out.graph.nodes)
+    run = PassRun(p.NAME, len(after - before), len(before - after), _collectives(out) - collectives, time.perf_counter() - t0)
+    log.debug("%s: +%d -%d nodes, +%d collectives, %.3fs", run.name, run.nodes_added, run.nodes_removed, run.collectives_added, run.seconds)
+    if log.isEnabledFor(logging.DEBUG - 1):
+        log.log(logging.DEBUG - 1, "graph after %s:\n%s", run.name, out.graph_module.code)
+    out = out.with_(passes=out.passes + (run,))
+    if check:
+        verify(out, propagate=True)
+    return out
+
+
+def run_pipeline(program: Program, check: bool = False, pipeline: list[ModuleType] | None = None) -> Program:
+    """Run every pass of `pipeline` (default PIPELINE) that applies; with `check`, verify the
+    program after each one. The hand-offs between passes are dropped at the end."""
+    pipeline = PIPELINE if pipeline is None else pipeline
+    check_pipeline(pipeline)
+    for p in pipeline:
+        program = run_pass(program, p, check)
+    program = program.with_(handoffs=Handoffs())
     eliminate_dead_code(program)
     program.graph_module.recompile()
     return program

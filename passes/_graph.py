@@ -3,7 +3,6 @@ signature, node creation with a phase, and inlining a traced function."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -12,14 +11,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphfuse import signature as sig
+from graphfuse.errors import PassContractError
 from graphfuse.program import Program, TensorMeta
+from graphfuse.tracing import placeholder_name
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-def sanitize(name: str) -> str:
-    return re.sub(r"\W", "_", name)
 
 
 def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -31,23 +28,26 @@ def add_input(program: Program, spec: sig.InputSpec, meta: TensorMeta) -> torch.
     graph = program.graph
     last = placeholders(graph)[-1]
     with graph.inserting_after(last):
-        node = graph.placeholder(sanitize(f"{spec.role}_{spec.name}"))
+        node = graph.placeholder(placeholder_name(spec))
     node.meta["gf_input"] = spec
     program.inputs_meta[spec.name] = meta
     return node
 
 
-def input_node(program: Program, role: str, name: str) -> torch.fx.Node:
-    spec = sig.InputSpec(role, name)
-    for n in placeholders(program.graph):
-        if n.meta["gf_input"] == spec:
-            return n
-    raise KeyError(f"no {role} input named {name!r}")
+def input_nodes(program: Program) -> dict[sig.InputSpec, torch.fx.Node]:
+    """Every placeholder by its input spec (one scan, for passes that look up many)."""
+    return {n.meta["gf_input"]: n for n in placeholders(program.graph)}
+
+
+def grad_nodes(program: Program) -> dict[str, torch.fx.Node]:
+    """Every trainable parameter's gradient node, by FQN (one scan of the graph)."""
+    by_name = {n.name: n for n in program.graph.nodes}
+    return {fqn: by_name[name] for fqn, name in program.signature.grads.items()}
 
 
 def remove_input(program: Program, node: torch.fx.Node) -> None:
     if node.users:
-        raise AssertionError(f"input {node.name} still has users {list(node.users)}")
+        raise PassContractError(f"input {node.name} cannot be removed: it still has users {[u.name for u in node.users]}")
     program.inputs_meta.pop(node.meta["gf_input"].name, None)
     program.graph.erase_node(node)
 
@@ -71,10 +71,6 @@ def call(graph: torch.fx.Graph, op, *args, phase: str, **kwargs) -> torch.fx.Nod
     node = graph.call_function(op, args, kwargs)
     node.meta["phase"] = phase
     return node
-
-
-def flat_view(graph: torch.fx.Graph, node: torch.fx.Node, phase: str) -> torch.fx.Node:
-    return call(graph, aten.view.default, node, [-1], phase=phase)
 
 
 def inline(graph: torch.fx.Graph, fn: Callable, args: list[torch.fx.Node], metas: list[TensorMeta], phase: str):
@@ -115,27 +111,20 @@ def hoist(node: torch.fx.Node) -> None:
             latest.append(node)
 
 
-def mark(program: Program, key: str, node: torch.fx.Node) -> Program:
-    marks = dict(program.signature.marks)
-    marks[key] = node.name
-    return program.with_(signature=program.signature.with_(marks=marks))
-
-
-def marked(program: Program, key: str) -> torch.fx.Node:
-    return program.node(program.signature.marks[key])
-
-
 def eliminate_dead_code(program: Program) -> None:
-    """Dead-code elimination that keeps the values passes have marked for later passes."""
-    out = program.graph.output_node()
-    args = out.args
-    out.args = (tuple(args[0]) + tuple(program.node(n) for n in program.signature.marks.values()),)
-    program.graph.eliminate_dead_code()
-    out.args = args
+    """Dead-code elimination that keeps the values handed off to a later pass."""
+    keep = set(program.handoffs.nodes())
+    program.graph.eliminate_dead_code(is_impure_node=lambda n: n in keep or n.is_impure())
 
 
 def is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective: one that starts communication, or the wait for one."""
     return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"
+
+
+def issues_collective(node: torch.fx.Node) -> bool:
+    """A collective that starts communication (not the wait for one)."""
+    return is_collective(node) and node.target is not c10d.wait_tensor.default
 
 
 def count_targets(program: Program) -> dict[str, int]:

@@ -6,19 +6,26 @@ from __future__ import annotations
 from graphfuse import signature as sig
 from graphfuse.program import Program
 
-from ._graph import c10d, call, marked, outputs, set_outputs
+from ._contract import expect
+from ._graph import c10d, call, outputs, set_outputs
+
+NAME = "all_gather"
+NEEDS = ("param_shards",)
+PROVIDES: tuple[str, ...] = ()
+
+
+def applies(program: Program) -> bool:
+    return True
 
 
 def requires(program: Program) -> None:
-    for b in program.layout.buckets:
-        assert f"param_shard:{b.name}" in program.signature.marks, "run the sharded update first"
+    expect(program, NAME, not program.signature.output_names(sig.NEW_BUCKET), "no new-bucket output yet (the all-gather makes them)")
 
 
 def run(program: Program) -> Program:
     graph, layout = program.graph, program.layout
     pairs = outputs(program)
-    for bucket in layout.buckets:
-        shard = marked(program, f"param_shard:{bucket.name}")
+    for bucket, shard in zip(layout.buckets, program.handoffs.param_shards):
         full = shard
         if layout.world_size > 1:
             with graph.inserting_before(shard.next):
@@ -29,7 +36,9 @@ def run(program: Program) -> Program:
 
 
 def ensures(program: Program) -> None:
+    layout = program.layout
     n = sum(1 for x in program.graph.nodes if x.target is c10d.all_gather_into_tensor.default)
-    expected = len(program.layout.buckets) if program.layout.world_size > 1 else 0
-    assert n == expected, f"{n} all-gathers for {len(program.layout.buckets)} buckets"
-    assert len(program.signature.output_names(sig.NEW_BUCKET)) == len(program.layout.buckets)
+    expected = len(layout.buckets) if layout.world_size > 1 else 0
+    expect(program, NAME, n == expected, f"{expected} all-gathers for {len(layout.buckets)} buckets at world size {layout.world_size}, found {n}")
+    names = [b.name for b in layout.buckets]
+    expect(program, NAME, program.signature.output_names(sig.NEW_BUCKET) == names, f"one new-bucket output per bucket, {names}")

@@ -9,19 +9,27 @@ import torch
 from graphfuse import signature as sig
 from graphfuse.program import Program
 
-from ._graph import c10d, call, mark, marked
+from ._contract import expect
+from ._graph import c10d, call
+
+NAME = "clip_grad_norm"
+NEEDS = ("grad_shards",)
+PROVIDES = ("grad_shards",)
+
+
+def applies(program: Program) -> bool:
+    return program.strategy.max_grad_norm is not None
 
 
 def requires(program: Program) -> None:
-    for b in program.layout.buckets:
-        assert f"grad_shard:{b.name}" in program.signature.marks, "reduce-scatter gradients first"
+    clipped = [n for n in program.graph.nodes if n.target is c10d.all_reduce.default]
+    expect(program, NAME, not clipped, "gradients not clipped yet (the graph already holds an all-reduce)")
 
 
 def run(program: Program) -> Program:
     graph, layout = program.graph, program.layout
     max_norm = program.strategy.max_grad_norm
-    buckets = layout.buckets
-    shards = [marked(program, f"grad_shard:{b.name}") for b in buckets]
+    shards = program.handoffs.grad_shards
     with graph.inserting_before(graph.output_node()):
         total = call(graph, torch.ops.aten.square.default, call(graph, torch.ops.aten._to_copy.default, shards[0], dtype=torch.float32, phase=sig.OPTIMIZER), phase=sig.OPTIMIZER)
         total = call(graph, torch.ops.aten.sum.default, total, phase=sig.OPTIMIZER)
@@ -35,12 +43,13 @@ def run(program: Program) -> Program:
         coef = call(graph, torch.ops.aten.reciprocal.default, call(graph, torch.ops.aten.add.Tensor, norm, 1e-6, phase=sig.OPTIMIZER), phase=sig.OPTIMIZER)
         coef = call(graph, torch.ops.aten.mul.Tensor, coef, max_norm, phase=sig.OPTIMIZER)
         coef = call(graph, torch.ops.aten.clamp_max.default, coef, 1.0, phase=sig.OPTIMIZER)
-        for b, s in zip(buckets, shards):
-            scaled = call(graph, torch.ops.aten.mul.Tensor, s, coef, phase=sig.OPTIMIZER)
-            program = mark(program, f"grad_shard:{b.name}", scaled)
-    return program
+        scaled = tuple(call(graph, torch.ops.aten.mul.Tensor, s, coef, phase=sig.OPTIMIZER) for s in shards)
+    return program.handing_off(grad_shards=scaled)
 
 
 def ensures(program: Program) -> None:
     n = sum(1 for x in program.graph.nodes if x.target is c10d.all_reduce.default)
-    assert n == (1 if program.layout.world_size > 1 else 0), f"{n} all-reduces for the global norm"
+    expected = 1 if program.layout.world_size > 1 else 0
+    expect(program, NAME, n == expected, f"{expected} all-reduce for the global norm at world size {program.layout.world_size}, found {n}")
+    scaled = all(s.target is torch.ops.aten.mul.Tensor for s in program.handoffs.grad_shards)
+    expect(program, NAME, scaled, "every gradient shard handed on to be the scaled one")

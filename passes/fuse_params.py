@@ -6,12 +6,24 @@ from __future__ import annotations
 from graphfuse import signature as sig
 from graphfuse.program import Program, TensorMeta
 
-from ._graph import add_input, aten, call, input_node, outputs, remove_input, set_outputs, sync_inputs
+from ._contract import expect
+from ._graph import add_input, aten, call, input_nodes, outputs, remove_input, set_outputs, sync_inputs
+
+NAME = "fuse_params"
+NEEDS: tuple[str, ...] = ()
+PROVIDES: tuple[str, ...] = ()
+
+
+def applies(program: Program) -> bool:
+    return True
 
 
 def requires(program: Program) -> None:
-    assert program.layout is not None, "plan buckets first"
-    assert not program.signature.names(sig.BUCKET), "parameters are already fused"
+    expect(program, NAME, program.layout is not None, "a bucket layout", "run plan_buckets first")
+    expect(program, NAME, not program.signature.names(sig.BUCKET), "parameters not fused yet")
+    new_params = set(program.signature.output_names(sig.NEW_PARAM))
+    missing = [f for f in program.layout.fqns if f not in new_params]
+    expect(program, NAME, not missing, f"a new-value output for every bucketed parameter (none for {missing})")
 
 
 def run(program: Program) -> Program:
@@ -19,13 +31,14 @@ def run(program: Program) -> Program:
     pairs = outputs(program)
     new_param = {s.target: n for s, n in pairs if s.role == sig.NEW_PARAM}
     pairs = [(s, n) for s, n in pairs if s.role != sig.NEW_PARAM]
+    params = input_nodes(program)
     for bucket in program.layout.buckets:
         node = add_input(program, sig.InputSpec(sig.BUCKET, bucket.name), TensorMeta((bucket.size,), bucket.dtype, bucket.device))
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
         for slot in bucket.slots:
-            old = input_node(program, sig.PARAM, slot.fqn)
+            old = params[sig.InputSpec(sig.PARAM, slot.fqn)]
             with graph.inserting_before(first_op):
-                flat = call(graph, aten.slice.Tensor, node, 0, slot.offset, slot.offset + slot.numel, phase=sig.FORWARD)
+                flat = call(graph, aten.slice.Tensor, node, 0, *slot.data_range, phase=sig.FORWARD)
                 view = call(graph, aten.view.default, flat, list(slot.shape), phase=sig.FORWARD)
             old.replace_all_uses_with(view)
             remove_input(program, old)
@@ -33,9 +46,9 @@ def run(program: Program) -> Program:
         with graph.inserting_before(graph.output_node()):
             pieces = []
             for slot in bucket.slots:
-                flat = call(graph, aten.view.default, new_param[slot.fqn], [-1], phase=sig.OPTIMIZER)
-                if slot.padded > slot.numel:
-                    flat = call(graph, aten.constant_pad_nd.default, flat, [0, slot.padded - slot.numel], 0.0, phase=sig.OPTIMIZER)
+                flat = call(graph, aten.reshape.default, new_param[slot.fqn], [-1], phase=sig.OPTIMIZER)  # any layout
+                if slot.padding:
+                    flat = call(graph, aten.constant_pad_nd.default, flat, [0, slot.padding], 0.0, phase=sig.OPTIMIZER)
                 pieces.append(flat)
             packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, pieces, phase=sig.OPTIMIZER)
         pairs.append((sig.OutputSpec(sig.NEW_BUCKET, bucket.name, bucket.name), packed))
@@ -44,6 +57,8 @@ def run(program: Program) -> Program:
 
 
 def ensures(program: Program) -> None:
-    assert not program.signature.names(sig.PARAM), "no per-parameter input remains"
-    assert not program.signature.output_names(sig.NEW_PARAM), "no per-parameter output remains"
-    assert len(program.signature.names(sig.BUCKET)) == len(program.layout.buckets)
+    expect(program, NAME, not program.signature.names(sig.PARAM), "no per-parameter input left")
+    expect(program, NAME, not program.signature.output_names(sig.NEW_PARAM), "no per-parameter output left")
+    names = [b.name for b in program.layout.buckets]
+    expect(program, NAME, program.signature.names(sig.BUCKET) == names, f"one bucket input per bucket, {names}")
+    expect(program, NAME, program.signature.output_names(sig.NEW_BUCKET) == names, f"one new-bucket output per bucket, {names}")

@@ -8,12 +8,26 @@ from graphfuse.layout import ParamInfo
 from graphfuse.layout import plan_buckets as plan
 from graphfuse.program import Program
 
-from ._graph import position, ready_position
+from ._contract import expect
+from ._graph import grad_nodes, position, ready_position
+
+NAME = "plan_buckets"
+NEEDS: tuple[str, ...] = ()
+PROVIDES: tuple[str, ...] = ()
+
+
+def applies(program: Program) -> bool:
+    return True
 
 
 def requires(program: Program) -> None:
-    assert program.layout is None, "buckets are already planned"
-    assert program.signature.names(sig.PARAM), "the program has no trainable parameter inputs"
+    expect(program, NAME, program.layout is None, "a program whose buckets are not planned yet")
+    expect(
+        program, NAME, bool(program.signature.names(sig.PARAM)), "trainable parameter inputs",
+        "give the optimizer at least one parameter that requires grad",
+    )
+    missing = [f for f in program.signature.names(sig.PARAM) if f not in program.signature.grads]
+    expect(program, NAME, not missing, f"a gradient node for every trainable parameter (none for {missing})")
 
 
 def run(program: Program) -> Program:
@@ -25,8 +39,7 @@ def run(program: Program) -> Program:
         params.append(ParamInfo(fqn, m.shape, m.dtype, m.device, group_of[fqn]))
     # Backward produces the last layer's gradient first: that order fills the buckets.
     grad_pos = {}
-    for fqn, name in program.signature.grads.items():
-        node = program.node(name)
+    for fqn, node in grad_nodes(program).items():
         grad_pos[fqn] = (ready_position(order, node), order[node])
     params.sort(key=lambda p: grad_pos[p.fqn])
     s = program.strategy
@@ -36,4 +49,4 @@ def run(program: Program) -> Program:
 
 def ensures(program: Program) -> None:
     fqns = program.layout.fqns
-    assert sorted(fqns) == sorted(program.signature.names(sig.PARAM)), "every parameter in exactly one bucket"
+    expect(program, NAME, sorted(fqns) == sorted(program.signature.names(sig.PARAM)), "every trainable parameter in exactly one bucket")

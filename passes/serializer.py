@@ -7,9 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphfuse import signature as sig
-from graphfuse.layout import BucketLayout
+from graphfuse.layout import BucketLayout, flat_boxes  # flat_boxes stays importable from here
 from graphfuse.program import Program
 
+from ._contract import expect
+
+NAME = "serializer"
+NEEDS: tuple[str, ...] = ()
+PROVIDES: tuple[str, ...] = ()
 MASTER = "master"
 
 
@@ -60,34 +65,6 @@ class StatePlan:
 
     def loaded(self, mode: str) -> tuple[Piece, ...]:
         return tuple(p for p in self.pieces(mode) if p.load)
-
-
-def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
-    """Split the flat element range [lo, hi) of a tensor of `shape` into the fewest boxes that
-    are each contiguous in the tensor: (start, stop, offsets, sizes), at most 2·ndim−1 of them."""
-    if not shape:
-        return [(lo, hi, (), ())] if hi > lo else []
-    n = len(shape)
-    strides = [1] * n
-    for k in range(n - 2, -1, -1):
-        strides[k] = strides[k + 1] * shape[k + 1]
-    total = strides[0] * shape[0]
-    out, x = [], lo
-    while x < hi:
-        # The coarsest dimension k whose unit block starts at x and fits: the box ranges over
-        # dim k, is full in every later dim, and stays inside one block of dim k-1.
-        k = next(k for k in range(n) if x % strides[k] == 0 and x + strides[k] <= hi)
-        outer = total if k == 0 else strides[k - 1]
-        y = min(hi - (hi - x) % strides[k], (x // outer + 1) * outer)
-        index, rem = [], x
-        for s in strides:
-            index.append(rem // s)
-            rem %= s
-        offsets = tuple(index[: k + 1]) + (0,) * (n - k - 1)
-        sizes = (1,) * k + ((y - x) // strides[k],) + tuple(shape[k + 1 :])
-        out.append((x, y, offsets, sizes))
-        x = y
-    return out
 
 
 def _states(shards: dict[str, str], bucket) -> list[tuple[str, str, str]]:
@@ -180,9 +157,13 @@ def derive_plan(
     )
 
 
+def applies(program: Program) -> bool:
+    return True
+
+
 def requires(program: Program) -> None:
-    assert program.layout is not None, "plan buckets first"
-    assert not program.signature.names(sig.STATE), "shard the optimizer states first"
+    expect(program, NAME, program.layout is not None, "a bucket layout", "run plan_buckets first")
+    expect(program, NAME, not program.signature.names(sig.STATE), "no per-parameter optimizer state", "run sharded_update first")
 
 
 def run(program: Program) -> Program:
@@ -197,12 +178,10 @@ def ensures(program: Program) -> None:
     plan = program.state_plan
     for mode in ("unbalanced", "balanced"):
         for p in plan.pieces(mode):
-            assert p.save or p.load
+            expect(program, NAME, p.save or p.load, f"piece {p.key} at {p.offsets} to be saved or loaded")
             n = 1
             for d in p.sizes:
                 n *= d
-            assert n == p.stop - p.start, (
-                f"piece {p.key} at {p.offsets}: sizes {p.sizes} do not hold {p.stop - p.start} elements"
-            )
+            expect(program, NAME, n == p.stop - p.start, f"piece {p.key} at {p.offsets}: sizes {p.sizes} holding its {p.stop - p.start} elements")
     keys = [p.key for p in plan.saved("unbalanced") if p.path[0] != "model"]
-    assert len(keys) == len(set(keys)), "unbalanced keys are unique"
+    expect(program, NAME, len(keys) == len(set(keys)), "unique unbalanced checkpoint keys")

@@ -1,25 +1,25 @@
 """Sharded update: replace the per-parameter optimizer update with ONE fused elementwise
 update per bucket shard, over flat state shards (and fp32 master shards where the strategy
 asks). Each parameter's part of a shard is its `slice@<fqn>` view (see BucketLayout.slices).
-Marks `param_shard:<bucket>` (the updated shard in the bucket's dtype) for the all-gather."""
+Reads the `grad_shards` hand-off; hands on `param_shards` (the updated shard in the bucket's
+dtype) for the all-gather."""
 
 from __future__ import annotations
 
 import torch
 
-from graphfuse import optim as gopt
 from graphfuse import signature as sig
-from graphfuse.capture import dtype_name
 from graphfuse.program import Program, TensorMeta
+from graphfuse.tracing import dtype_name, update_function
 
+from ._contract import expect
 from ._graph import (
     add_input,
     aten,
     call,
     eliminate_dead_code,
     inline,
-    mark,
-    marked,
+    input_nodes,
     outputs,
     placeholders,
     remove_input,
@@ -27,12 +27,18 @@ from ._graph import (
     sync_inputs,
 )
 
+NAME = "sharded_update"
+NEEDS = ("grad_shards",)
+PROVIDES = ("param_shards",)
 MASTER = "master"
 
 
+def applies(program: Program) -> bool:
+    return True
+
+
 def requires(program: Program) -> None:
-    for b in program.layout.buckets:
-        assert f"grad_shard:{b.name}" in program.signature.marks, "reduce-scatter gradients first"
+    expect(program, NAME, not program.signature.names(sig.SHARD), "no state shard inputs yet")
 
 
 def shard_dtype(program: Program, bucket) -> str:
@@ -51,7 +57,9 @@ def run(program: Program) -> Program:
     # dead-code elimination removes the ops only the old outputs needed.
     new_outputs = [(s, n) for s, n in outputs(program) if s.role not in (sig.NEW_BUCKET, sig.NEW_STATE)]
     out_node = graph.output_node()
-    for bucket in layout.buckets:
+    inputs = input_nodes(program)
+    param_shards = []
+    for bucket, grad in zip(layout.buckets, program.handoffs.grad_shards):
         spec = program.optim.groups[bucket.group]
         dtype = shard_dtype(program, bucket)
         meta = TensorMeta((bucket.shard_size,), dtype, bucket.device)
@@ -59,33 +67,21 @@ def run(program: Program) -> Program:
         master = uses_master(program, bucket)
         if master:
             master_node = add_input(program, sig.InputSpec(sig.SHARD, f"{bucket.name}.{MASTER}"), meta)
-        scalar_nodes = [
-            next(n for n in placeholders(graph) if n.meta["gf_input"] == sig.InputSpec(sig.SCALAR, f"group{bucket.group}.{s}"))
-            for s in spec.scalar_names
-        ]
+        scalar_nodes = [inputs[sig.InputSpec(sig.SCALAR, f"group{bucket.group}.{s}")] for s in spec.scalar_names]
         scalar_metas = [program.inputs_meta[f"group{bucket.group}.{s}"] for s in spec.scalar_names]
-        grad = marked(program, f"grad_shard:{bucket.name}")
-        bucket_node = next(n for n in placeholders(graph) if n.meta["gf_input"] == sig.InputSpec(sig.BUCKET, bucket.name))
+        bucket_node = inputs[sig.InputSpec(sig.BUCKET, bucket.name)]
         lo, hi = bucket.shard_range(rank)
         with graph.inserting_before(out_node):
             param = master_node if master else call(graph, aten.slice.Tensor, bucket_node, 0, lo, hi, phase=sig.OPTIMIZER)
-            names = spec.scalar_names
-
-            def fused(p, g, *rest, spec=spec, names=names):
-                states = dict(zip(spec.state_names, rest[: len(spec.state_names)]))
-                scalars = dict(zip(names, rest[len(spec.state_names) :]))
-                new_p, new_states = gopt.update(spec, p, g, states, scalars)
-                return [new_p, *(new_states[s] for s in spec.state_names)]
-
-            new = inline(graph, fused, [param, grad, *state_nodes, *scalar_nodes], [meta, meta, *([meta] * len(state_nodes)), *scalar_metas], sig.OPTIMIZER)
+            new = inline(graph, update_function(spec), [param, grad, *state_nodes, *scalar_nodes], [meta, meta, *([meta] * len(state_nodes)), *scalar_metas], sig.OPTIMIZER)
             new_param, new_states = new[0], new[1:]
             if master:
                 new_outputs.append((sig.OutputSpec(sig.NEW_SHARD, f"{bucket.name}.{MASTER}", f"{bucket.name}.{MASTER}"), new_param))
                 new_param = call(graph, aten._to_copy.default, new_param, dtype=getattr(torch, bucket.dtype), phase=sig.OPTIMIZER)
         for s, n in zip(spec.state_names, new_states):
             new_outputs.append((sig.OutputSpec(sig.NEW_SHARD, f"{bucket.name}.{s}", f"{bucket.name}.{s}"), n))
-        program = mark(program, f"param_shard:{bucket.name}", new_param)
-    program = set_outputs(program, new_outputs)
+        param_shards.append(new_param)
+    program = set_outputs(program, new_outputs).handing_off(param_shards=tuple(param_shards))
     eliminate_dead_code(program)
     for n in [n for n in placeholders(graph) if n.meta["gf_input"].role == sig.STATE]:
         remove_input(program, n)
@@ -93,6 +89,10 @@ def run(program: Program) -> Program:
 
 
 def ensures(program: Program) -> None:
-    assert not program.signature.names(sig.STATE), "no per-parameter state remains"
-    for b in program.layout.buckets:
-        assert f"param_shard:{b.name}" in program.signature.marks
+    expect(program, NAME, not program.signature.names(sig.STATE), "no per-parameter optimizer state input left")
+    expect(program, NAME, not program.signature.output_names(sig.NEW_BUCKET), "no whole-bucket output left (the all-gather makes them)")
+    expected = sorted(f"{b.name}.{s}" for b in program.layout.buckets for s in program.optim.groups[b.group].state_names)
+    states = sorted(n for n in program.signature.names(sig.SHARD) if not n.endswith(f".{MASTER}"))
+    expect(program, NAME, states == expected, f"one state shard input per bucket and state, {expected}")
+    shards = sorted(program.signature.names(sig.SHARD))
+    expect(program, NAME, sorted(program.signature.output_names(sig.NEW_SHARD)) == shards, "a new-shard output for every shard input")

@@ -1,12 +1,13 @@
 """Verify a program: the graph is well formed, the signature matches the placeholders and
 outputs, every output fits the input it replaces, and fake propagation of the inputs'
-shapes and dtypes gives every output the shape and dtype it must have."""
+shapes and dtypes gives every output the shape and dtype it must have. Only checks: the
+program, its graph and its nodes' meta are left as they were."""
 
 from __future__ import annotations
 
 import torch
+import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graphfuse import signature as sig
 from graphfuse.errors import GraphfuseError
@@ -28,7 +29,18 @@ def fake_inputs(program: Program, mode: FakeTensorMode) -> list[torch.Tensor]:
     return out
 
 
+def fake_values(program: Program) -> dict[torch.fx.Node, object]:
+    """Every node's value when the graph runs on fake tensors shaped like its inputs (nothing
+    is written to the nodes' meta). Raises whatever an operator raises on its arguments."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    interpreter = torch.fx.Interpreter(program.graph_module, garbage_collect_values=False)
+    with mode:
+        interpreter.run(*fake_inputs(program, mode))
+    return dict(interpreter.env)
+
+
 def verify(program: Program, propagate: bool = True) -> Program:
+    """Raise VerifyError on the first broken invariant; return `program` unchanged."""
     graph = program.graph
     graph.lint()
     phs = placeholders(graph)
@@ -52,9 +64,10 @@ def verify(program: Program, propagate: bool = True) -> Program:
     for fqn, name in program.signature.grads.items():
         if program.layout is None and name not in node_names:
             raise VerifyError(f"the gradient of {fqn} names a missing node {name}")
-    for key, name in program.signature.marks.items():
-        if name not in node_names:
-            raise VerifyError(f"mark {key} names a missing node {name}")
+    graph_nodes = set(graph.nodes)
+    for node in program.handoffs.nodes():
+        if node not in graph_nodes:
+            raise VerifyError(f"a hand-off between passes names {node.name}, which is not in the graph")
     if program.layout is not None:
         roles = {s.role for s in specs}
         if sig.BUCKET in roles and sig.PARAM in roles:
@@ -62,17 +75,20 @@ def verify(program: Program, propagate: bool = True) -> Program:
         if sig.SHARD in roles and sig.STATE in roles:
             raise VerifyError("a sharded program still has per-parameter optimizer states")
     if propagate:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        FakeTensorProp(program.graph_module, mode).propagate(*fake_inputs(program, mode))
-        for spec, node in zip(program.signature.outputs, outs):
-            val = node.meta.get("val")
-            if spec.target is None:
-                if val.numel() != 1:
-                    raise VerifyError(f"the loss has shape {tuple(val.shape)}")
-                continue
-            m = program.inputs_meta[spec.target]
-            if tuple(val.shape) != m.shape or str(val.dtype).removeprefix("torch.") != m.dtype:
-                raise VerifyError(
-                    f"output {spec.name} is {tuple(val.shape)} {val.dtype}, but its target {spec.target} is {m.shape} {m.dtype}"
-                )
+        check_values(program, fake_values(program))
     return program
+
+
+def check_values(program: Program, values: dict[torch.fx.Node, object]) -> None:
+    """Every output's value (from `fake_values`) has the shape and dtype its target input has."""
+    for spec, node in zip(program.signature.outputs, program.output_args()):
+        val = values[node]
+        if spec.target is None:
+            if val.numel() != 1:
+                raise VerifyError(f"the loss has shape {tuple(val.shape)}")
+            continue
+        m = program.inputs_meta[spec.target]
+        if tuple(val.shape) != m.shape or str(val.dtype).removeprefix("torch.") != m.dtype:
+            raise VerifyError(
+                f"output {spec.name} is {tuple(val.shape)} {val.dtype}, but its target {spec.target} is {m.shape} {m.dtype}"
+            )

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphfuse.layout import BucketLayout, ParamInfo, itemsize, plan_buckets
+from graphfuse.layout import Box, BucketLayout, ParamInfo, flat_boxes, itemsize, plan_buckets
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 
@@ -187,3 +188,95 @@ def test_parameter_larger_than_the_cap_gets_a_bucket_of_its_own():
     layout = plan_buckets(params, 2, 16, 1024)
     assert [b.fqns for b in layout.buckets] == [("small",), ("big",), ("small2",)]
     assert layout.buckets[1].nbytes == 4000
+
+
+# ---- ranges and boxes: every offset the runtime, the passes and checkpoints read ----------
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_data_ranges_and_padding_tile_each_bucket(params, world, align, cap):
+    layout = plan(params, world, align, cap)
+    for bucket in layout.buckets:
+        end = 0
+        for s in bucket.slots:
+            start, stop = s.data_range
+            assert start == end and stop - start == s.numel  # data, then its padding, then the next slot
+            assert s.padding >= 0
+            end = stop + s.padding
+        assert end == bucket.size
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_slice_ranges_name_the_same_elements_in_bucket_shard_and_parameter(params, world, align, cap):
+    layout = plan(params, world, align, cap)
+    for bucket in layout.buckets:
+        # Element i of the bucket stands for (fqn, flat index) or padding.
+        owner = [None] * bucket.size
+        for s in bucket.slots:
+            start, _ = s.data_range
+            for i in range(s.numel):
+                owner[start + i] = (s.fqn, i)
+        for rank in range(world):
+            lo, hi = bucket.shard_range(rank)
+            assert hi - lo == bucket.shard_size
+            for s in bucket.slices(rank):
+                a, b = bucket.bucket_range(rank, s)
+                x, y = s.shard_range
+                p, q = s.param_range
+                assert lo <= a < b <= hi and (a - lo, b - lo) == (x, y) and b - a == q - p == s.numel
+                assert owner[a:b] == [(s.fqn, i) for i in range(p, q)]
+                boxes = s.boxes(bucket.slot(s.fqn).shape)
+                assert [(box.start, box.stop) for box in boxes] == [
+                    (box.start - p + x, box.stop - p + x) for box in flat_boxes(bucket.slot(s.fqn).shape, p, q)
+                ]
+                assert boxes[0].start == x and boxes[-1].stop == y
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+boxes_st = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple).flatmap(
+    lambda shape: st.tuples(st.just(shape), st.integers(0, _numel(shape)), st.integers(0, _numel(shape))).map(
+        lambda t: (t[0], min(t[1], t[2]), max(t[1], t[2]))
+    )
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(boxes_st)
+def test_flat_boxes_tile_the_range_with_at_most_2_ndim_minus_1_chunks(case):
+    shape, lo, hi = case
+    boxes = flat_boxes(shape, lo, hi)
+    assert len(boxes) <= max(1, 2 * len(shape) - 1)
+    end = lo
+    for box in boxes:
+        assert box.start == end and box.stop > box.start  # in order, no gap, nothing empty
+        end = box.stop
+    assert end == hi or (not boxes and lo == hi)
+
+
+@settings(max_examples=400, deadline=None)
+@given(boxes_st)
+def test_each_flat_box_is_the_chunk_at_its_offsets(case):
+    shape, lo, hi = case
+    full = torch.arange(_numel(shape)).reshape(shape)
+    for box in flat_boxes(shape, lo, hi):
+        assert len(box.offsets) == len(box.sizes) == len(shape)
+        assert all(0 <= o and o + n <= d for o, n, d in zip(box.offsets, box.sizes, shape))
+        chunk = full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+        assert chunk.flatten().tolist() == list(range(box.start, box.stop))  # contiguous in the tensor
+
+
+def test_flat_boxes_example_a_range_across_rows():
+    # Rows 0..3 of 4 columns; elements 2..13 are the end of row 0, rows 1-2, the start of row 3.
+    assert flat_boxes((4, 4), 2, 14) == [
+        Box(2, 4, (0, 2), (1, 2)),
+        Box(4, 12, (1, 0), (2, 4)),
+        Box(12, 14, (3, 0), (1, 2)),
+    ]
