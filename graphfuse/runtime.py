@@ -33,6 +33,16 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | Non
     return group, dist.get_world_size(group), dist.get_rank(group), group.group_name
 
 
+def backend_of(group: dist.ProcessGroup | None, device_type: str) -> str | None:
+    """The backend that runs `group`'s collectives on `device_type` tensors (None: no group)."""
+    if group is None:
+        return None
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # a group of several backends, "cpu:gloo,cuda:nccl"
+        return dict(b.split(":", 1) for b in backend.split(",")).get(device_type)
+    return backend
+
+
 def rebind_group(program: Program, group_name: str) -> Program:
     """The same program with its collectives on the process group named `group_name` (a
     restarted job's group may be named differently from the one the program was built on)."""
@@ -161,8 +171,9 @@ class DistModel:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.strategy = strategy or Strategy()
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
+        device = next(model.parameters(), torch.empty(0)).device.type
+        self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device))
         self._start(self._build(example_batch), batch_key(example_batch))
 
     @classmethod
