@@ -13,6 +13,7 @@ import torch.distributed as dist
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
+from graphfuse.changes import Snapshot
 from graphfuse.errors import UnsupportedError
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import run_pipeline, verify
@@ -219,6 +220,7 @@ class DistModel:
 
     def _start(self, program: Program, key: tuple) -> None:
         self._bind(program)
+        self._snapshot = Snapshot(self.model, self.optimizer)  # checked at every step: changes are not ignored
         self.steps = [0] * len(program.optim.groups)
         self.program = program
         # batch key -> (program, its executable; None until the first step compiles it)
@@ -265,6 +267,7 @@ class DistModel:
         return entry
 
     def __call__(self, batch) -> torch.Tensor:
+        self._snapshot.check()
         key, leaves = flatten_batch(batch)
         program, fn = self._program_for(batch, key)
         if fn is None:
