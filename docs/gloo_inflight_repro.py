@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 c10d = torch.ops._c10d_functional
 
 
-def rank_main(rank: int, world: int, store: str, inflight: int, numel: int, steps: int, threads: int) -> None:
+def rank_main(rank: int, world: int, store: str, inflight: int, numel: int, steps: int, threads: int, ops: str) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{store}")
     name = dist.group.WORLD.group_name
@@ -29,12 +29,15 @@ def rank_main(rank: int, world: int, store: str, inflight: int, numel: int, step
     buckets = [torch.randn(n) for _ in range(inflight)]
     for _ in range(steps):
         # "backward": every bucket's gradients are reduce-scattered as soon as they exist
-        issued = [c10d.reduce_scatter_tensor(b * 0.5, "avg", world, name) for b in buckets]
-        shards = [c10d.wait_tensor(x) for x in issued]  # "update": waits in bucket order
-        shards = [s.add(1e-3) for s in shards]
-        gathered = [c10d.all_gather_into_tensor(s, world, name) for s in shards]
-        for b, g in zip(buckets, gathered):  # waited only where the result is used
-            b.copy_(c10d.wait_tensor(g))
+        if "rs" in ops:
+            issued = [c10d.reduce_scatter_tensor(b * 0.5, "avg", world, name) for b in buckets]
+            shards = [c10d.wait_tensor(x).add(1e-3) for x in issued]  # "update": waits in bucket order
+        else:
+            shards = [b[rank * (n // world) : (rank + 1) * (n // world)].add(1e-3) for b in buckets]
+        if "ag" in ops:
+            gathered = [c10d.all_gather_into_tensor(s, world, name) for s in shards]
+            for b, g in zip(buckets, gathered):  # waited only where the result is used
+                b.copy_(c10d.wait_tensor(g))
     dist.destroy_process_group()
 
 
@@ -42,7 +45,7 @@ def one_run(args) -> str:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as d:
         procs = [
-            ctx.Process(target=rank_main, args=(r, args.ranks, os.path.join(d, "store"), args.inflight, args.numel, args.steps, args.threads))
+            ctx.Process(target=rank_main, args=(r, args.ranks, os.path.join(d, "store"), args.inflight, args.numel, args.steps, args.threads, args.ops))
             for r in range(args.ranks)
         ]
         for p in procs:
@@ -72,6 +75,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ops", choices=("rs+ag", "rs", "ag"), default="rs+ag", help="which collectives to keep in flight")
     p.add_argument("--run-timeout", type=float, default=600.0)
     args = p.parse_args()
     outcomes = []

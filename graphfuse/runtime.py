@@ -13,8 +13,8 @@ import torch.distributed as dist
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
-from graphfuse.changes import Snapshot
 from graphfuse.errors import UnsupportedError
+from graphfuse.guards import ProgramCache, Snapshot, batch_change, check_batch
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.passes._graph import is_collective
@@ -175,7 +175,9 @@ class DistModel:
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device))
-        self._start(self._build(example_batch), batch_key(example_batch))
+        key = batch_key(example_batch)
+        check_batch(key)
+        self._start(self._build(example_batch), key)
 
     @classmethod
     def from_program(
@@ -223,8 +225,10 @@ class DistModel:
         self._snapshot = Snapshot(self.model, self.optimizer)  # checked at every step: changes are not ignored
         self.steps = [0] * len(program.optim.groups)
         self.program = program
+        self._example_key = key
         # batch key -> (program, its executable; None until the first step compiles it)
-        self._programs: dict[tuple, tuple[Program, Callable | None]] = {key: (program, self._eager(program))}
+        self._programs = ProgramCache(self.strategy.program_cache_size)
+        self._programs[key] = (program, self._eager(program))
 
     @property
     def layout(self) -> BucketLayout:
@@ -250,20 +254,28 @@ class DistModel:
     # ---- running --------------------------------------------------------------------
     def _program_for(self, batch, key: tuple) -> tuple[Program, Callable | None]:
         entry = self._programs.get(key)
-        if entry is None and self.loss_fn is None:
+        if entry is not None:
+            return entry
+        check_batch(key)
+        change = batch_change(self._example_key, key)
+        if self.loss_fn is None:
             raise UnsupportedError(
-                f"this DistModel runs a loaded program traced for batches {next(iter(self._programs))}; "
-                f"the batch {key} differs, and without the model's loss_fn it cannot be traced again"
+                f"this DistModel runs a loaded program traced for one batch shape; this batch differs ({change}), "
+                "and without the model's loss_fn it cannot be traced again: feed batches like the traced one"
             )
-        if entry is None:
-            log.warning("graphfuse: the batch's shapes or dtypes differ from every traced one; re-capturing the step")
+        log.warning("graphfuse: the batch differs from every traced one (from the example: %s); re-capturing the step", change)
+        try:
             program = self._build(batch)
-            if program.layout.fingerprint != self.layout.fingerprint:
-                raise UnsupportedError(
-                    "re-capturing for the new batch gave a different bucket layout; keep the batch's "
-                    "shapes fixed, or pad batches to the example's shapes"
-                )
-            entry = self._programs[key] = (program, self._eager(program))
+        except Exception as e:
+            e.add_note(f"graphfuse: raised while re-capturing the step for a batch that differs from the example ({change})")
+            raise
+        if program.layout.fingerprint != self.layout.fingerprint:
+            fix = "cast the batch to the example's dtypes" if "dtype" in change else "pad batches to the example's shapes"
+            raise UnsupportedError(
+                f"re-capturing the step for a batch that differs from the example ({change}) gave a different bucket "
+                f"layout (its backward produces the gradients in another order), so it cannot share the buckets; {fix}"
+            )
+        self._programs[key] = entry = (program, self._eager(program))
         return entry
 
     def __call__(self, batch) -> torch.Tensor:

@@ -40,6 +40,9 @@ class Strategy:
     # runtime from the process group's backend (INFLIGHT_BY_BACKEND); a program built without
     # a runtime keeps no bound.
     max_inflight_collectives: int | None | Literal["auto"] = "auto"
+    # Programs traced for distinct batch keys (shapes, dtypes, non-tensor leaf values) kept at
+    # once, least recently used dropped first, with a warning.
+    program_cache_size: int = 8
 
     def __post_init__(self) -> None:
         if not self.bucket_size_mb > 0:
@@ -66,6 +69,9 @@ class Strategy:
         k = self.max_inflight_collectives
         if not (k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
             raise UnsupportedError(f"Strategy.max_inflight_collectives must be an int >= 1, None or 'auto', got {k!r}")
+
+        if not isinstance(self.program_cache_size, int) or self.program_cache_size < 1:
+            raise UnsupportedError(f"Strategy.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")
 
     def for_backend(self, backend: str | None) -> Strategy:
         """This strategy with "auto" settings resolved for a process group of `backend`

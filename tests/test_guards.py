@@ -1,5 +1,6 @@
-"""Changes to the model or optimizer after gf.compile are found at the next step and refused
-with a message naming the change and the way out (issue 11, item 3), before any state moves."""
+"""Guards of a compiled step (issue 11, items 3-5): changes to the model or optimizer after
+gf.compile are refused at the next step before any state moves; the batch gets messages that
+name the real cause; the program cache is bounded."""
 
 from __future__ import annotations
 
@@ -90,3 +91,58 @@ def test_allowed_changes_still_train():
     dm.load_state_dict(sd)
     dm(_batch())
     assert dm.steps == [2, 2] and opt.param_groups[0]["lr"] == 5e-3
+
+
+def _sized(n: int):
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def test_program_cache_keeps_at_most_program_cache_size_programs_and_warns_when_it_churns(caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    dm = gf.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _sized(2), strategy=gf.Strategy(program_cache_size=2))
+    with pytest.warns(UserWarning, match=r"program cache \(Strategy.program_cache_size=2\) dropped a traced program \(1 so far\)"):
+        for n in (2, 3, 4):
+            dm(_sized(n))
+    assert len(dm._programs) == 2 and dm._programs.evictions == 1
+    caplog.set_level("INFO", logger="graphfuse")
+    caplog.clear()
+    with pytest.warns(UserWarning, match=r"\(2 so far\)"):
+        dm(_sized(2))  # dropped: traced again, and the least recently used (3) goes
+    assert [k[1][0].shape[0] for k in dm._programs] == [4, 2]
+    assert sum("re-capturing" in r.getMessage() for r in caplog.records) == 1
+    dm(_sized(4))  # still cached: no trace, no eviction
+    assert dm._programs.evictions == 2 and dm.steps == [5]
+
+
+def test_float64_batch_is_named_as_a_dtype_change_not_a_shape_change():
+    model, opt, dm = _compiled()
+    x, y = _batch()
+    with pytest.raises(gf.UnsupportedError, match=r"leaf 0: dtype float32 -> float64.*cast the batch") as info:
+        dm((x.double(), y.double()))
+    assert "shape" not in str(info.value)
+
+
+def test_empty_batch_is_refused_by_name_at_compile_and_at_a_step():
+    model, opt, dm = _compiled()
+    with pytest.raises(gf.UnsupportedError, match=r"batch leaf 0 has shape \(0, 8\): an empty batch.*drop_last"):
+        dm((torch.randn(0, 8), torch.randn(0, 4)))
+    fresh = torch.nn.Linear(8, 4)
+    with pytest.raises(gf.UnsupportedError, match="an empty batch"):
+        gf.compile(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), _loss, (torch.randn(0, 8), torch.randn(0, 4)))
+
+
+def test_a_batch_of_another_structure_that_breaks_loss_fn_says_it_was_being_recaptured():
+    model, opt, dm = _compiled()
+    with pytest.raises(IndexError) as info:
+        dm((_batch()[0],))
+    assert any("re-capturing the step for a batch that differs" in n and "structure changed" in n for n in info.value.__notes__)
+
+
+def test_train_eval_switch_after_compile_warns_that_python_state_is_frozen():
+    model, opt, dm = _compiled()
+    model.eval()
+    with pytest.warns(UserWarning, match=r"module model was switched to eval mode after gf.compile.*frozen at trace time"):
+        dm(_batch())
+    assert dm.steps == [2, 2]  # a warning, not a refusal: the step ran as traced
