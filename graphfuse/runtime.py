@@ -119,8 +119,12 @@ def run_step(
         values = spec.host_scalars(float(group["lr"]), float(group.get("weight_decay", 0.0)), steps[g])
         for name, value in values.items():
             tensors[f"group{g}.{name}"].fill_(value)
-    with torch.no_grad():
+    # Grad mode on, as the step was traced: some kernels differ with it off (oneDNN's LSTM,
+    # mkldnn_rnn_layer, returns no workspace for its backward). No input requires grad, so
+    # autograd records nothing.
+    with torch.enable_grad():
         outs = fn(*arguments(program, tensors, per_call))
+    with torch.no_grad():
         if not getattr(fn, "writes_in_place", False):
             for spec, out in zip(program.signature.outputs, outs):
                 if spec.target is not None:
