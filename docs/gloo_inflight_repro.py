@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 c10d = torch.ops._c10d_functional
 
 
-def rank_main(rank: int, world: int, store: str, inflight: int, numel: int, steps: int, threads: int, ops: str) -> None:
+def rank_main(rank: int, world: int, store: str, inflight: int, numel: int, steps: int, threads: int, ops: str, keep: bool, barrier: bool) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{store}")
     name = dist.group.WORLD.group_name
@@ -30,7 +30,10 @@ def rank_main(rank: int, world: int, store: str, inflight: int, numel: int, step
     for _ in range(steps):
         # "backward": every bucket's gradients are reduce-scattered as soon as they exist
         if "rs" in ops:
-            issued = [c10d.reduce_scatter_tensor(b * 0.5, "avg", world, name) for b in buckets]
+            inputs = [b * 0.5 for b in buckets]
+            issued = [c10d.reduce_scatter_tensor(x, "avg", world, name) for x in inputs]
+            if not keep:  # as FX-generated code does: an input is dropped after its last use
+                del inputs
             shards = [c10d.wait_tensor(x).add(1e-3) for x in issued]  # "update": waits in bucket order
         else:
             shards = [b[rank * (n // world) : (rank + 1) * (n // world)].add(1e-3) for b in buckets]
@@ -38,6 +41,8 @@ def rank_main(rank: int, world: int, store: str, inflight: int, numel: int, step
             gathered = [c10d.all_gather_into_tensor(s, world, name) for s in shards]
             for b, g in zip(buckets, gathered):  # waited only where the result is used
                 b.copy_(c10d.wait_tensor(g))
+        if barrier:  # no rank starts the next step's collectives while another is in this step's
+            dist.barrier()
     dist.destroy_process_group()
 
 
@@ -45,7 +50,7 @@ def one_run(args) -> str:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as d:
         procs = [
-            ctx.Process(target=rank_main, args=(r, args.ranks, os.path.join(d, "store"), args.inflight, args.numel, args.steps, args.threads, args.ops))
+            ctx.Process(target=rank_main, args=(r, args.ranks, os.path.join(d, "store"), args.inflight, args.numel, args.steps, args.threads, args.ops, args.keep_inputs, args.barrier))
             for r in range(args.ranks)
         ]
         for p in procs:
@@ -76,6 +81,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--ops", choices=("rs+ag", "rs", "ag"), default="rs+ag", help="which collectives to keep in flight")
+    p.add_argument("--keep-inputs", action="store_true", help="hold each reduce-scatter's input until its wait")
+    p.add_argument("--barrier", action="store_true", help="a barrier after every step")
     p.add_argument("--run-timeout", type=float, default=600.0)
     args = p.parse_args()
     outcomes = []

@@ -13,10 +13,7 @@ import torch
 from graphfuse.errors import UnsupportedError
 from graphfuse.program import TensorMeta
 
-REBUILD = (
-    "build a new DistModel with gf.compile on the changed model and optimizer (to carry the "
-    "training state over, gf.save(dm, path, mode='balanced') before the change and gf.load after)"
-)
+REBUILD = "build a new DistModel with gf.compile on the changed model and optimizer"
 
 
 @dataclass(frozen=True)
