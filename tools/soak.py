@@ -77,7 +77,7 @@ def main() -> None:
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     print(f"\n| ranks | runs | steps | max_inflight | overlap | failed |\n|---|---|---|---|---|---|\n"
           f"| {args.ranks} | {args.runs} | {args.steps} | {args.max_inflight} | {not args.no_overlap} | {len(failed)} |")
-    print(json.dumps({"tool": "soak", "machine": machine, **vars(args), "failed": len(failed), "runs": runs}))
+    print(json.dumps({"tool": "soak", "machine": machine, **vars(args), "failed": len(failed), "results": runs}))
 
 
 if __name__ == "__main__":
