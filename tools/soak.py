@@ -50,7 +50,7 @@ def one_run(args, strategy: gf.Strategy) -> dict:
     return {"ok": True, "seconds": time.monotonic() - t0, **results[0]}
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=3)
     p.add_argument("--runs", type=int, default=20)
@@ -78,7 +78,8 @@ def main() -> None:
     print(f"\n| ranks | runs | steps | max_inflight | overlap | failed |\n|---|---|---|---|---|---|\n"
           f"| {args.ranks} | {args.runs} | {args.steps} | {args.max_inflight} | {not args.no_overlap} | {len(failed)} |")
     print(json.dumps({"tool": "soak", "machine": machine, **vars(args), "failed": len(failed), "results": runs}))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
