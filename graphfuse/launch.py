@@ -65,13 +65,15 @@ class RankFailure(AssertionError):
     """A rank failed. `rank` and `traceback` are the root cause's: the earliest failure that is
     not a lost connection; `others` describes every other rank that failed."""
 
-    def __init__(self, cause: Outcome, others: list[Outcome]) -> None:
+    def __init__(self, cause: Outcome, others: list[Outcome], silent: list[int] = ()) -> None:
         self.rank, self.traceback, self.others = cause.rank, str(cause.value), others
         lines = [cause.describe()]
         if others:
             lines.append("other ranks failed after it: " + "; ".join(
                 f"rank {o.rank}" + (" (lost its peer)" if o.peer else "") for o in others
             ))
+        if silent:
+            lines.append(f"ranks {list(silent)} had not finished {GRACE_S:.0f}s later and were killed")
         super().__init__("\n".join(lines))
 
 
@@ -124,7 +126,7 @@ def run_ranks(fn: Callable, world_size: int, *args, backend: str = "gloo", threa
         shutil.rmtree(store_dir, ignore_errors=True)
     failures = [o for o in outcomes.values() if not o.ok]
     if failures:
-        raise RankFailure(*root_cause(failures))
+        raise RankFailure(*root_cause(failures), silent=[r for r in range(world_size) if r not in outcomes])
     return [outcomes[r].value for r in range(world_size)]
 
 

@@ -36,6 +36,21 @@ def _peer_error_reported_first(rank: int, world: int) -> None:
     dist.all_reduce(torch.ones(4))
 
 
+def _rank0_hangs_rank1_raises(rank: int, world: int) -> None:
+    if rank == 1:
+        raise KeyError("rank 1's own bug")
+    time.sleep(120)  # stuck, never reports: must not hold the report past the grace period
+
+
+def test_a_hung_peer_does_not_hold_the_report_past_the_grace_period():
+    t0 = time.monotonic()
+    with pytest.raises(launch.RankFailure) as info:
+        launch.run_ranks(_rank0_hangs_rank1_raises, 2, timeout=300)
+    assert info.value.rank == 1 and "KeyError" in info.value.traceback
+    assert "ranks [0] had not finished" in str(info.value)
+    assert time.monotonic() - t0 < 60
+
+
 def test_concurrent_jobs_meet_without_a_port_even_when_free_port_is_taken(monkeypatch):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
