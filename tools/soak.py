@@ -45,8 +45,8 @@ def one_run(args, strategy: gf.Strategy) -> dict:
     try:
         results = run_ranks(_rank_main, args.ranks, args.steps, strategy, threads=args.threads, timeout=args.run_timeout)
     except AssertionError as e:  # RankFailure, or a hang past the timeout
-        lines = str(e).strip().splitlines()
-        return {"ok": False, "rank": getattr(e, "rank", None), "error": lines[-1] if lines else "", "seconds": time.monotonic() - t0}
+        cause = getattr(e, "traceback", str(e)).strip().splitlines() or [""]
+        return {"ok": False, "rank": getattr(e, "rank", None), "error": cause[-1], "seconds": time.monotonic() - t0}
     return {"ok": True, "seconds": time.monotonic() - t0, **results[0]}
 
 
