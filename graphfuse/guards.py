@@ -113,7 +113,7 @@ class Snapshot:
                     f"mode after gf.compile, but the compiled step runs as traced ({'train' if training else 'eval'} "
                     "mode: dropout and batch norm as then). Python state read in forward is frozen at trace time; "
                     "set the mode before gf.compile, or build a new DistModel",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 return
 
