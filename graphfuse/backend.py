@@ -16,7 +16,7 @@ from graphfuse.errors import UnsupportedError
 from graphfuse.inductor import compile_graph
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.program import PassRun, Program
-from graphfuse.runtime import arguments, bind_tensors, compile_in_place, group_info, run_step
+from graphfuse.runtime import arguments, backend_of, bind_tensors, compile_in_place, group_info, run_step
 from graphfuse.strategy import Strategy
 from graphfuse.tracing import fake_examples, name_placeholders, scalar_example, tensor_meta, update_function
 
@@ -86,8 +86,9 @@ class ShardedOptimizer:
                 "with torch.nn.utils.clip_grad_norm_ before step(), or use gf.compile for in-graph accumulation and clipping"
             )
         self.optimizer = optimizer
-        self.strategy = strategy
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
+        device = optimizer.param_groups[0]["params"][0].device.type
+        self.strategy = strategy = strategy.for_backend(backend_of(self.group, device))
         self.params = {f"param{i}": p for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         program = capture_update(self.params, optimizer, strategy)
         # Without a backward graph, assume gradients arrive in reverse registration order.

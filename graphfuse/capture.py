@@ -202,13 +202,14 @@ def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, 
         with presenting_as_compiling(), torch.enable_grad():
             for micro_batch in batch.micro_batches(list(flat[len(flat) - n_batch :])):
                 loss, buffers = loss_of(params, frozen, buffers, micro_batch)
-                g = torch.autograd.grad(loss, params, allow_unused=True)
+                g = _gradients(loss, params)
                 unused = [f for f, x in zip(info.trainable, g) if x is None]
                 if unused:
                     raise UnsupportedError(
                         f"parameter(s) {', '.join(unused)} get no gradient from loss_fn, so torch.optim would skip "
                         "them while graphfuse's fused update would not; set requires_grad=False on them or "
-                        "leave them out of the optimizer"
+                        "leave them out of the optimizer (inside torch.utils.checkpoint(..., use_reentrant=True) "
+                        "whose inputs need no gradient, they get none in eager PyTorch either: use use_reentrant=False)"
                     )
                 grads = list(g) if grads is None else [a + b for a, b in zip(grads, g)]
                 loss = loss.detach()
@@ -346,3 +347,17 @@ def _mark_phases(graph: torch.fx.Graph, loss: torch.fx.Node, buffers: list, grad
         if n.op in ("placeholder", "output", "get_attr"):
             continue
         n.meta["phase"] = sig.FORWARD if n in forward else sig.BACKWARD if n in backward else sig.OPTIMIZER
+
+
+def _gradients(loss: torch.Tensor, params: list[torch.Tensor]) -> tuple:
+    try:
+        return torch.autograd.grad(loss, params, allow_unused=True)
+    except RuntimeError as e:
+        if "use_reentrant=True" in str(e):  # its backward re-runs forward under .backward() only
+            raise UnsupportedError(
+                "loss_fn uses torch.utils.checkpoint(..., use_reentrant=True) (reentrant activation "
+                "checkpointing), which only works under .backward(), not the torch.autograd.grad that "
+                "graphfuse traces; pass use_reentrant=False (for transformers models: "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"
+            ) from e
+        raise

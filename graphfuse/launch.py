@@ -1,72 +1,156 @@
-"""Spawn real process groups on 127.0.0.1 (Gloo on CPU, NCCL with one GPU per rank): for the
-demo, the benchmarks and the multi-rank tests."""
+"""Spawn real process groups on one host (Gloo on CPU, NCCL with one GPU per rank): for the
+demo, the benchmarks and the multi-rank tests. Ranks meet through a file store (no port to
+race for), and a failure is reported from the rank that caused it, not a peer that lost it."""
 
 from __future__ import annotations
 
 import os
 import queue as queue_module
+import re
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# What a rank sees when a *peer* failed: its connections close or time out. Such an error is
+# a consequence, never the root cause, when another rank failed on its own.
+PEER_ERROR = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|ECONNRESET|EPIPE|Connection refused|"
+    r"gloo/transport|Gloo connectFullMesh|Timed out waiting|NCCL communicator was aborted|"
+    r"DistNetworkError|ProcessGroupGloo.*(Read|Write) error",
+    re.IGNORECASE,
+)
+GRACE_S = 10.0  # after the first failure, how long the other ranks may take to report theirs
+
 
 def free_port() -> int:
+    """A port free at the moment of the call. Racy when other jobs share the machine (another
+    process may take it before the caller binds it); run_ranks does not use it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, fn: Callable, args: tuple, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def is_peer_error(text: str) -> bool:
+    """Whether an exception's text is a lost connection to a peer (a consequence of another
+    rank's failure) rather than a failure of its own."""
+    return bool(PEER_ERROR.search(text))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one rank reported (or what its exit code says, if it died without a word)."""
+
+    rank: int
+    ok: bool
+    value: object  # the function's result, or the traceback text
+    at: float  # time.time() when the rank finished or its death was seen
+    peer: bool = False  # a lost connection to a peer, not a failure of this rank's own
+    exit_code: int | None = None  # set when the rank died without reporting
+
+    def describe(self) -> str:
+        if self.exit_code is not None:
+            return f"rank {self.rank} died with exit code {self.exit_code}"
+        return f"rank {self.rank} failed:\n{self.value}"
+
+
+class RankFailure(AssertionError):
+    """A rank failed. `rank` and `traceback` are the root cause's: the earliest failure that is
+    not a lost connection; `others` describes every other rank that failed."""
+
+    def __init__(self, cause: Outcome, others: list[Outcome], silent: list[int] = ()) -> None:
+        self.rank, self.traceback, self.others = cause.rank, str(cause.value), others
+        lines = [cause.describe()]
+        if others:
+            lines.append("other ranks failed after it: " + "; ".join(
+                f"rank {o.rank}" + (" (lost its peer)" if o.peer else "") for o in others
+            ))
+        if silent:
+            lines.append(f"ranks {list(silent)} had not finished {GRACE_S:.0f}s later and were killed")
+        super().__init__("\n".join(lines))
+
+
+def _worker(rank: int, world_size: int, store_path: str, backend: str, threads: int, fn: Callable, args: tuple, queue) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"file://{store_path}")
     try:
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+        queue.put((rank, True, fn(rank, world_size, *args), time.time(), False))
+    except BaseException as e:
+        text = traceback.format_exc()
+        queue.put((rank, False, text, time.time(), is_peer_error(f"{type(e).__name__}: {e}")))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def root_cause(failures: list[Outcome]) -> tuple[Outcome, list[Outcome]]:
+    """The earliest failure that is not a lost peer (else the earliest of all), and the rest."""
+    ordered = sorted(failures, key=lambda o: (o.peer, o.at))
+    return ordered[0], ordered[1:]
 
 
 def run_ranks(fn: Callable, world_size: int, *args, backend: str = "gloo", threads: int = 1, timeout: float = 300.0) -> list:
     """Run `fn(rank, world_size, *args)` (a module-level function) on `world_size` spawned
-    ranks of a `backend` process group; return each rank's result (picklable), or raise an
-    AssertionError with the failing rank's traceback."""
+    ranks of a `backend` process group; return each rank's result (picklable), or raise
+    `RankFailure` (an AssertionError) naming the rank whose failure came first, with its traceback."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="graphfuse-rdzv-")
+    store_path = os.path.join(store_dir, "store")  # a fresh file per run: nothing stale to meet
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, threads, fn, args, queue)) for r in range(world_size)
+        ctx.Process(target=_worker, args=(r, world_size, store_path, backend, threads, fn, args, queue))
+        for r in range(world_size)
     ]
     for p in procs:
         p.start()
-    results: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
+    outcomes: dict[int, Outcome] = {}
     try:
-        while len(results) < world_size:
-            try:
-                rank, status, value = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    raise AssertionError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"ranks timed out after {timeout}s; finished: {sorted(results)}") from None
-                continue
-            if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+        _collect(procs, queue, timeout, outcomes)
     finally:
+        done = len(outcomes) == world_size and all(o.ok for o in outcomes.values())
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if done else 5)  # after a failure, peers may hang in a collective
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(world_size)]
+                p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
+    failures = [o for o in outcomes.values() if not o.ok]
+    if failures:
+        raise RankFailure(*root_cause(failures), silent=[r for r in range(world_size) if r not in outcomes])
+    return [outcomes[r].value for r in range(world_size)]
+
+
+def _collect(procs: list, queue, timeout: float, outcomes: dict[int, Outcome]) -> None:
+    """Fill `outcomes` with every rank's; after the first failure, wait at most GRACE_S for the
+    others, so the rank that failed first on its own is found even if a peer's error came sooner."""
+    deadline = time.monotonic() + timeout
+    dead_since: dict[int, float] = {}
+    while len(outcomes) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, ok, value, at, peer = queue.get(timeout=0.2)
+            outcomes[rank] = Outcome(rank, ok, value, at, peer)
+        except queue_module.Empty:
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r in outcomes or p.exitcode in (None, 0):
+                    continue
+                # died without a word (a signal, os._exit): a failure of its own, once its last
+                # message (if any) has had time to arrive
+                if now - dead_since.setdefault(r, now) > 1.0:
+                    at = time.time() - (now - dead_since[r])
+                    outcomes[r] = Outcome(r, False, f"died with exit code {p.exitcode}", at, exit_code=p.exitcode)
+        if any(not o.ok for o in outcomes.values()) and deadline > time.monotonic() + GRACE_S:
+            deadline = time.monotonic() + GRACE_S
+    if len(outcomes) < len(procs) and all(o.ok for o in outcomes.values()):
+        hung = [r for r in range(len(procs)) if r not in outcomes]
+        raise AssertionError(f"ranks timed out after {timeout}s; finished: {sorted(outcomes)}, still running: {hung}")

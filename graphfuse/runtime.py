@@ -14,6 +14,7 @@ from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
 from graphfuse.errors import UnsupportedError
+from graphfuse.guards import ProgramCache, Snapshot, batch_change, check_batch
 from graphfuse.inductor import compile_graph
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import run_pipeline, verify
@@ -32,6 +33,16 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | Non
             return None, 1, 0, ""
         group = dist.group.WORLD
     return group, dist.get_world_size(group), dist.get_rank(group), group.group_name
+
+
+def backend_of(group: dist.ProcessGroup | None, device_type: str) -> str | None:
+    """The backend that runs `group`'s collectives on `device_type` tensors (None: no group)."""
+    if group is None:
+        return None
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # a group of several backends, "cpu:gloo,cuda:nccl"
+        return dict(b.split(":", 1) for b in backend.split(",")).get(device_type)
+    return backend
 
 
 def rebind_group(program: Program, group_name: str) -> Program:
@@ -109,8 +120,12 @@ def run_step(
         values = spec.host_scalars(float(group["lr"]), float(group.get("weight_decay", 0.0)), steps[g])
         for name, value in values.items():
             tensors[f"group{g}.{name}"].fill_(value)
-    with torch.no_grad():
+    # Grad mode on, as the step was traced: some kernels differ with it off (oneDNN's LSTM,
+    # mkldnn_rnn_layer, returns no workspace for its backward). No input requires grad, so
+    # autograd records nothing.
+    with torch.enable_grad():
         outs = fn(*arguments(program, tensors, per_call))
+    with torch.no_grad():
         if not getattr(fn, "writes_in_place", False):
             for spec, out in zip(program.signature.outputs, outs):
                 if spec.target is not None:
@@ -160,9 +175,12 @@ class DistModel:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.strategy = strategy or Strategy()
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
-        self._start(self._build(example_batch), batch_key(example_batch))
+        device = next(model.parameters(), torch.empty(0)).device.type
+        self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device))
+        key = batch_key(example_batch)
+        check_batch(key)
+        self._start(self._build(example_batch), key)
 
     @classmethod
     def from_program(
@@ -207,10 +225,13 @@ class DistModel:
 
     def _start(self, program: Program, key: tuple) -> None:
         self._bind(program)
+        self._snapshot = Snapshot(self.model, self.optimizer)  # checked at every step: changes are not ignored
         self.steps = [0] * len(program.optim.groups)
         self.program = program
+        self._example_key = key
         # batch key -> (program, its executable; None until the first step compiles it)
-        self._programs: dict[tuple, tuple[Program, Callable | None]] = {key: (program, self._eager(program))}
+        self._programs = ProgramCache(self.strategy.program_cache_size)
+        self._programs[key] = (program, self._eager(program))
 
     @property
     def layout(self) -> BucketLayout:
@@ -236,23 +257,32 @@ class DistModel:
     # ---- running --------------------------------------------------------------------
     def _program_for(self, batch, key: tuple) -> tuple[Program, Callable | None]:
         entry = self._programs.get(key)
-        if entry is None and self.loss_fn is None:
+        if entry is not None:
+            return entry
+        check_batch(key)
+        change = batch_change(self._example_key, key)
+        if self.loss_fn is None:
             raise UnsupportedError(
-                f"this DistModel runs a loaded program traced for batches {next(iter(self._programs))}; "
-                f"the batch {key} differs, and without the model's loss_fn it cannot be traced again"
+                f"this DistModel runs a loaded program traced for one batch shape; this batch differs ({change}), "
+                "and without the model's loss_fn it cannot be traced again: feed batches like the traced one"
             )
-        if entry is None:
-            log.warning("graphfuse: the batch's shapes or dtypes differ from every traced one; re-capturing the step")
+        log.warning("graphfuse: the batch differs from every traced one (from the example: %s); re-capturing the step", change)
+        try:
             program = self._build(batch)
-            if program.layout.fingerprint != self.layout.fingerprint:
-                raise UnsupportedError(
-                    "re-capturing for the new batch gave a different bucket layout; keep the batch's "
-                    "shapes fixed, or pad batches to the example's shapes"
-                )
-            entry = self._programs[key] = (program, self._eager(program))
+        except Exception as e:
+            e.add_note(f"graphfuse: raised while re-capturing the step for a batch that differs from the example ({change})")
+            raise
+        if program.layout.fingerprint != self.layout.fingerprint:
+            fix = "cast the batch to the example's dtypes" if "dtype" in change else "pad batches to the example's shapes"
+            raise UnsupportedError(
+                f"re-capturing the step for a batch that differs from the example ({change}) gave a different bucket "
+                f"layout (its backward produces the gradients in another order), so it cannot share the buckets; {fix}"
+            )
+        self._programs[key] = entry = (program, self._eager(program))
         return entry
 
     def __call__(self, batch) -> torch.Tensor:
+        self._snapshot.check()
         key, leaves = flatten_batch(batch)
         program, fn = self._program_for(batch, key)
         if fn is None:

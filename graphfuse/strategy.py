@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -12,6 +13,11 @@ from graphfuse.errors import UnsupportedError
 CHECKPOINT_MODES = ("unbalanced", "balanced")
 COMPILE_MODES = ("eager", "inductor")
 MASTER_DTYPES = (None, torch.float32)
+# Collectives in flight per backend when Strategy.max_inflight_collectives is "auto". Gloo
+# crashed (SIGSEGV, heap corruption, livelock) with several collectives in flight on torch
+# 2.13, also at 2 (issue 11; docs/gloo-inflight.md); one at a time still overlaps compute.
+# NCCL overlaps freely.
+INFLIGHT_BY_BACKEND: dict[str, int | None] = {"gloo": 1, "nccl": None}
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,14 @@ class Strategy:
     grad_accumulation: int = 1
     max_grad_norm: float | None = None
     compile: str = "eager"
+    # At most this many collectives issued and not yet waited for (the overlap pass waits for
+    # the oldest earlier when a new one would exceed it); None: no bound. "auto": chosen by the
+    # runtime from the process group's backend (INFLIGHT_BY_BACKEND); a program built without
+    # a runtime keeps no bound.
+    max_inflight_collectives: int | None | Literal["auto"] = "auto"
+    # Programs traced for distinct batch keys (shapes, dtypes, non-tensor leaf values) kept at
+    # once, least recently used dropped first, with a warning.
+    program_cache_size: int = 8
 
     def __post_init__(self) -> None:
         if not self.bucket_size_mb > 0:
@@ -53,6 +67,20 @@ class Strategy:
             raise UnsupportedError(f"Strategy.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
         if self.compile not in COMPILE_MODES:
             raise UnsupportedError(f"Strategy.compile={self.compile!r}; choose one of {COMPILE_MODES}")
+        k = self.max_inflight_collectives
+        if not (k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
+            raise UnsupportedError(f"Strategy.max_inflight_collectives must be an int >= 1, None or 'auto', got {k!r}")
+
+        if not isinstance(self.program_cache_size, int) or self.program_cache_size < 1:
+            raise UnsupportedError(f"Strategy.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")
+
+    def for_backend(self, backend: str | None) -> Strategy:
+        """This strategy with "auto" settings resolved for a process group of `backend`
+        (None: no process group)."""
+        if self.max_inflight_collectives != "auto":
+            return self
+        bound = INFLIGHT_BY_BACKEND.get(backend) if backend else None
+        return dataclasses.replace(self, max_inflight_collectives=bound)
 
     @property
     def bucket_bytes(self) -> int:

@@ -1,8 +1,12 @@
 """The runtime: the inductor executor writes buckets and shards in place, compiles at the
-first step (also for a program loaded from a file), and schedulers see the optimizer step."""
+first step (also for a program loaded from a file), schedulers see the optimizer step, and
+programs run in the grad mode they were traced in (issue 13: LSTM, activation checkpointing)."""
 
+import contextlib
+import copy
 import warnings
 
+import pytest
 import torch
 
 import graphfuse as gf
@@ -59,3 +63,66 @@ def test_lr_scheduler_sees_the_optimizer_step():
         dm(_batches(1)[0])
         sched.step()
     assert opt.param_groups[0]["lr"] == 0.5e-2
+
+
+class _LSTMHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(8, 16, batch_first=True)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def _eager_and_graphfuse(model_fn, batches, steps_under=contextlib.nullcontext):
+    """Losses and final parameters of eager AdamW(foreach=False) and of gf.compile."""
+    torch.manual_seed(0)
+    model = model_fn()
+    eager = copy.deepcopy(model)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=False)
+    dm = gf.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, batches[0])
+    eager_losses, losses = [], []
+    for b in batches:
+        eager_opt.zero_grad()
+        loss = _loss(eager, b)
+        loss.backward()
+        eager_opt.step()
+        eager_losses.append(loss.detach())
+        with steps_under():
+            losses.append(dm(b))
+    return (eager_losses, list(eager.parameters())), (losses, list(model.parameters()))
+
+
+def test_lstm_program_runs_in_the_grad_mode_it_was_traced_in():
+    """oneDNN's LSTM (mkldnn_rnn_layer) returns no workspace with grad mode off: the program
+    must run with it on, also when the caller steps under torch.no_grad()."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(3, 5, 8, generator=g), torch.randn(3, 4, generator=g)) for _ in range(3)]
+    (e_losses, e_params), (losses, params) = _eager_and_graphfuse(_LSTMHead, batches, steps_under=torch.no_grad)
+    assert all(torch.equal(a, b) for a, b in zip(e_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(e_params, params))
+    assert not any(loss.requires_grad for loss in losses)
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.embed, self.inner, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda y: torch.relu(self.inner(y)), self.embed(x), use_reentrant=self.use_reentrant)
+        return self.out(h)
+
+
+def test_reentrant_activation_checkpointing_is_refused_by_name_with_the_way_out():
+    model = _Checkpointed(use_reentrant=True)
+    with pytest.raises(gf.UnsupportedError, match=r"use_reentrant=True.*pass use_reentrant=False"):
+        gf.compile(model, torch.optim.AdamW(model.parameters()), _loss, _batches(1)[0])
+
+
+def test_non_reentrant_activation_checkpointing_is_bitwise_with_eager():
+    (e_losses, e_params), (losses, params) = _eager_and_graphfuse(lambda: _Checkpointed(use_reentrant=False), _batches(3))
+    assert all(torch.equal(a, b) for a, b in zip(e_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(e_params, params))
