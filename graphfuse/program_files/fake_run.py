@@ -1,0 +1,47 @@
+"""The last check of a loaded program: graphfuse's verifier, then a run on fake tensors in
+which every operator must accept its arguments and give the shape and dtype the file records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from graphfuse.errors import GraphfuseError, ProgramFormatError
+from graphfuse.passes.verify import verify
+from graphfuse.program import Program
+
+from .files import GRAPH
+from .values import short
+
+
+def _shapes(val):
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), val.dtype)
+    if isinstance(val, (list, tuple)):
+        return [_shapes(v) for v in val]
+    return val
+
+
+def check(program: Program, path: Path) -> None:
+    """Raise ProgramFormatError unless `program` verifies and runs on fake tensors as its file
+    says. The nodes keep the meta the file holds: verify() writes its own, which is undone."""
+    try:
+        verify(program, propagate=False)
+    except GraphfuseError as e:
+        raise ProgramFormatError(f"{path}: the graph and the program metadata disagree: {e}") from None
+    saved = {n: dict(n.meta) for n in program.graph.nodes}
+    try:
+        verify(program, propagate=True)
+        ran = {n: n.meta.get("val") for n in saved}
+    except Exception as e:  # whatever an operator raises on arguments it does not accept
+        raise ProgramFormatError(f"{path / GRAPH}: the graph does not run on fake tensors ({type(e).__name__}: {short(e)})") from None
+    finally:
+        for node, meta in saved.items():
+            node.meta.clear()
+            node.meta.update(meta)
+    for node, val in ran.items():
+        if "val" in node.meta and _shapes(val) != _shapes(node.meta["val"]):
+            raise ProgramFormatError(
+                f"{path / GRAPH}: node {node.name}: meta records {_shapes(node.meta['val'])}, its operator gives {_shapes(val)}"
+            )
