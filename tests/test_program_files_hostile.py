@@ -38,14 +38,15 @@ def saved(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def saved_2_ranks(tmp_path_factory) -> Path:
     """Rank 0 of a 2-rank GPT program (buckets, shards, collectives, a state plan), built
-    without a process group as the pass tests do."""
+    without a process group as the pass tests do, and verified as the runtime does."""
+    from graphfuse.passes.verify import verify
     from test_program_io import make
 
     from graphfuse import passes
 
     model, opt, loss_fn, batches = make("gpt", 0)
     program = gf.capture(model, opt, loss_fn, batches[0], gf.Strategy(bucket_size_mb=0.01, align_bytes=64))
-    program = passes.run_pipeline(program.with_(world_size=2, rank=0, group_name="0"))
+    program = verify(passes.run_pipeline(program.with_(world_size=2, rank=0, group_name="0")))
     path = tmp_path_factory.mktemp("saved2") / "program"
     gf.save_program(program, path)
     return path
@@ -206,8 +207,8 @@ def test_bucket_larger_than_the_graph_is_refused(saved_2_ranks, tmp_path):
 
 
 def test_bucket_and_its_inputs_grown_together_are_refused_by_the_graph(saved_2_ranks, tmp_path):
-    """Layout and inputs_meta agree on a 2^36-element bucket, the graph's views of it do not:
-    refused on fake tensors, before the runtime could allocate 256 GiB."""
+    """Layout and inputs_meta agree on a 2^36-element bucket, the graph's placeholder does
+    not: refused before the runtime could allocate 256 GiB."""
     path = copy_of(saved_2_ranks, tmp_path)
 
     def edit(d):
@@ -219,7 +220,7 @@ def test_bucket_and_its_inputs_grown_together_are_refused_by_the_graph(saved_2_r
                 d["inputs_meta"][name][0] = [shard]
 
     edit_program(path, edit)
-    refused(path, r"graph\.json: the graph does not run on fake tensors .*broadcast a dimension of length \d+")
+    refused(path, r"program\.json: the placeholders do not match the signature's inputs: input bucket0: the graph records \(\d+,\)")
 
 
 def test_layout_whose_params_overlap_is_refused(saved_2_ranks, tmp_path):
