@@ -14,25 +14,18 @@ import time
 from pathlib import Path
 
 import pytest
+import test_program_io
 import torch
 from graphfuse.passes import serializer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_program_io import FIXTURE, compile_small, copy_of, edit_graph, first, rehash, with_constant
+from test_program_io import FIXTURE, compile_small, copy_of, edit_graph, first, rehash
 
 import graphfuse as gf
 from graphfuse.program_files import limits, ops
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "program-format.md"
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A world-size-1 MLP program with a constant (every file kind), saved once."""
-    dm, _ = compile_small("mlp", 0)
-    path = tmp_path_factory.mktemp("saved") / "program"
-    gf.save_program(with_constant(dm.program), path)
-    return path
+saved = test_program_io.saved  # the fixture: an MLP program with a constant, so every file kind
 
 
 @pytest.fixture(scope="module")
@@ -165,24 +158,13 @@ def test_deeply_nested_graph_value_is_refused(saved, tmp_path):
     refused(path, r"graph\.json: node .*values nest deeper than 32 levels")
 
 
-def test_absurd_shape_in_graph_meta_is_refused(saved, tmp_path):
+@pytest.mark.parametrize(
+    ("size", "cause"), [(2**62, r"every size must be an int in \[0, 2\^48\]"), (2**30, r"more than the limit 2\^48")], ids=["size", "product"]
+)
+def test_absurd_shape_in_graph_meta_is_refused(saved, tmp_path, size, cause):
     path = copy_of(saved, tmp_path)
-
-    def edit(nodes):
-        first(nodes, "placeholder")["meta"]["val"]["tensor"].update(shape=[2**62, 2**62], stride=[2**62, 1])
-
-    edit_graph(path, edit)
-    refused(path, r"graph\.json: node 0 .*every size must be an int in \[0, 2\^48\]")
-
-
-def test_absurd_product_of_sizes_is_refused(saved, tmp_path):
-    path = copy_of(saved, tmp_path)
-
-    def edit(nodes):
-        first(nodes, "placeholder")["meta"]["val"]["tensor"].update(shape=[2**30, 2**30], stride=[2**30, 1])
-
-    edit_graph(path, edit)
-    refused(path, r"graph\.json: node 0 .*more than the limit 2\^48")
+    edit_graph(path, lambda nodes: first(nodes, "placeholder")["meta"]["val"]["tensor"].update(shape=[size, size], stride=[size, 1]))
+    refused(path, r"graph\.json: node 0 .*" + cause)
 
 
 def test_absurd_input_shape_is_refused(saved, tmp_path):
