@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from rich.console import Console
 from rich.table import Table
 
-from graphfuse.passes._graph import count_targets
 from graphfuse.program import Program
 
 from .files import FORMAT_NAME
@@ -28,7 +29,8 @@ def cli_info(path: str, code: bool = False) -> int:
     t = Table(title=f"ops ({sum(1 for _ in program.graph.nodes)} nodes)")
     t.add_column("op")
     t.add_column("count", justify="right")
-    for name, n in sorted(count_targets(program).items(), key=lambda kv: (-kv[1], kv[0])):
+    ops = Counter(str(getattr(n.target, "_overloadpacket", n.target)) for n in program.graph.nodes if n.op == "call_function")
+    for name, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])):
         t.add_row(name, str(n))
     console.print(t)
     if code:
