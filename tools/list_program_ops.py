@@ -7,7 +7,7 @@ each supported optimizer and the strategies that add ops (world size 2, gradient
 accumulation, fp32 master weights for bf16 parameters), runs the pass pipeline without a
 process group, and prints the operator names as JSON. Compare with ops.ALLOWED:
 
-    python tools/list_program_ops.py [--quick]
+    python tools/list_program_ops.py [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -66,7 +66,11 @@ def _ops(program: gf.Program) -> set[str]:
             for n in program.graph.nodes if n.op == "call_function"}
 
 
-def collect(quick: bool = False) -> set[str]:
+def _to(batch, device: str, dtype: torch.dtype | None = None):
+    return tuple(b.to(device=device, dtype=dtype if dtype is not None and b.is_floating_point() else b.dtype) for b in batch)
+
+
+def collect(quick: bool = False, device: str = "cpu") -> set[str]:
     import test_capture as tc
 
     found: set[str] = set()
@@ -75,10 +79,10 @@ def collect(quick: bool = False) -> set[str]:
         for make_optim in (tc.adamw, tc.adam_amsgrad, tc.sgd_nesterov, tc.sgd_dampening):
             for strategy in strategies:
                 torch.manual_seed(0)
-                model, inputs = make_model(), batch
+                model, inputs = make_model().to(device), _to(batch, device)
                 if "master_dtype" in strategy:
                     model = model.to(torch.bfloat16)
-                    inputs = tuple(b.to(torch.bfloat16) if b.is_floating_point() else b for b in batch)
+                    inputs = _to(batch, device, torch.bfloat16)
                 opt = make_optim(model)
                 program = gf.capture(model, opt, loss_fn, inputs, gf.Strategy(bucket_size_mb=0.01, **strategy))
                 found |= _ops(program)
@@ -90,8 +94,10 @@ def collect(quick: bool = False) -> set[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="only the MLP, GPT and conv net (no transformers)")
-    found = collect(parser.parse_args().quick)
+    parser.add_argument("--quick", action="store_true", help="only the MLPs, GPT and conv net (no transformers)")
+    parser.add_argument("--device", default="cpu", help="where the models and batches live (cpu, cuda)")
+    args = parser.parse_args()
+    found = collect(args.quick, args.device)
     by_namespace: dict[str, list[str]] = {}
     for op in sorted(found):
         namespace, _, name = op.rpartition(".")
