@@ -28,8 +28,9 @@ def check(program: Program, path: Path) -> None:
     says. The nodes keep the meta the file holds: verify() writes its own, which is undone."""
     try:
         verify(program, propagate=False)
-    except GraphfuseError as e:
-        raise ProgramFormatError(f"{path}: the graph and the program metadata disagree: {e}") from None
+    except Exception as e:  # the verifier's own errors, or whatever a defect it did not foresee raises
+        cause = str(e) if isinstance(e, GraphfuseError) else f"{type(e).__name__}: {short(e)}"
+        raise ProgramFormatError(f"{path}: the graph and the program metadata disagree: {cause}") from None
     saved = {n: dict(n.meta) for n in program.graph.nodes}
     try:
         verify(program, propagate=True)

@@ -129,6 +129,8 @@ def _with_state_plan(program: Program, path: Path) -> Program:
         serializer.requires(program)
         program = serializer.run(program)
         serializer.ensures(program)
-    except (AssertionError, GraphfuseError, LookupError, ValueError) as e:
-        raise ProgramFormatError(f"{path / PROGRAM}: the checkpoint state plan cannot be derived from the layout and signature ({short(e)})") from None
+    except Exception as e:  # the pass's contract checks, or anything the checked data still breaks
+        raise ProgramFormatError(
+            f"{path / PROGRAM}: the checkpoint state plan cannot be derived from the layout and signature ({type(e).__name__}: {short(e)})"
+        ) from None
     return program
