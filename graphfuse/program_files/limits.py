@@ -12,7 +12,7 @@ MAX_BYTES = {
     "graph.json": 512 * MIB,
     "constants.safetensors": 1024 * MIB,
 }
-MAX_DEPTH = 32  # nesting of encoded values, of the batch tree, and of JSON objects in metadata
+MAX_DEPTH = 32  # nesting of encoded values in graph.json and of the batch tree
 MAX_NDIM = 32  # dimensions of one tensor
 MAX_NUMEL = 2**48  # elements of one tensor (and the largest dimension, stride or offset)
 MAX_NODES = 2_000_000  # nodes of one graph

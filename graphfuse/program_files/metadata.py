@@ -133,10 +133,9 @@ def _group(g, i: int) -> GroupSpec:
     if g["kind"] not in ("adam", "sgd") or not (isinstance(g["params"], list) and all(isinstance(p, str) for p in g["params"])):
         raise Malformed(f"optim.groups[{i}]: kind must be adam or sgd and params a list of names")
     for name, value in g.items():
-        default = fields[name].default
-        ok = type(value) is bool if type(default) is bool else type(value) in (int, float) if type(default) is float else True
-        if not ok:
-            raise Malformed(f"optim.groups[{i}].{name} must be a {type(default).__name__}, got {short(value)}")
+        expected = type(fields[name].default)  # bool or float; kind and params have none
+        if expected is bool and type(value) is not bool or expected is float and type(value) not in (int, float):
+            raise Malformed(f"optim.groups[{i}].{name} must be a {expected.__name__}, got {short(value)}")
     return GroupSpec(**{**g, "params": tuple(g["params"])})
 
 
