@@ -427,3 +427,23 @@ def test_cli_program_info_reports_a_damaged_file(tmp_path, capsys):
     (path / "graph.json").write_bytes(b"{")
     assert cli_main(["program", "info", str(path)]) == 2
     assert "graph.json: truncated" in capsys.readouterr().err
+
+
+def test_conv_batchnorm_program_round_trips_and_trains_bitwise(tmp_path):
+    """Conv + BatchNorm (buffers updated by the forward, an int64 counter): the allowlist and
+    the codec hold such a step; the loaded program trains like the original."""
+    from test_capture import ConvNet, adamw, conv_batches, mlp_loss
+
+    torch.manual_seed(0)
+    model, batches = ConvNet(), conv_batches(3)
+    dm = gf.compile(model, adamw(model), mlp_loss, batches[0])
+    gf.save_program(dm.program, tmp_path / "conv")
+    loaded = gf.load_program(tmp_path / "conv")
+    assert_same_program(loaded, dm.program)
+    torch.manual_seed(0)
+    fresh = ConvNet()
+    rebuilt = gf.DistModel.from_program(loaded, fresh, adamw(fresh))
+    for batch in batches:
+        assert torch.equal(dm(batch), rebuilt(batch))
+    assert torch.equal(dm.model.bn1.running_mean, fresh.bn1.running_mean)
+    assert int(fresh.bn2.num_batches_tracked) == len(batches)
