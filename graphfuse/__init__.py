@@ -20,7 +20,7 @@ from graphfuse.errors import (
 )
 from graphfuse.layout import Bucket, BucketLayout
 from graphfuse.program import Program
-from graphfuse.program_io import load_program, save_program
+from graphfuse.program_files import load_program, save_program
 from graphfuse.runtime import DistModel
 from graphfuse.signature import Signature
 from graphfuse.strategy import Strategy

@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                 return checkpoint.cli_info(args.path)
             return checkpoint.cli_convert(args.src, args.dst, args.to)
         if args.command == "program":
-            from graphfuse import program_io
+            from graphfuse.program_files.info import cli_info
 
-            return program_io.cli_info(args.path, code=args.code)
+            return cli_info(args.path, code=args.code)
     except GraphfuseError as e:
         print(f"graphfuse: error: {e}", file=sys.stderr)
         return 2

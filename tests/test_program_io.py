@@ -17,11 +17,12 @@ from distributed import run_ranks
 from safetensors.torch import load_file
 
 import graphfuse as gf
-from graphfuse import program_io
+from graphfuse import program_files
 from graphfuse.cli import main as cli_main
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 FIXTURE = Path(__file__).parent / "fixtures" / "program_v1"
+FIXTURE_V2 = Path(__file__).parent / "fixtures" / "program_v2"
 GPT_CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
 STEPS = 3
 
@@ -78,7 +79,7 @@ def assert_same_program(loaded: gf.Program, original: gf.Program) -> None:
         assert plain(x.args) == plain(y.args) and plain(x.kwargs) == plain(y.kwargs), x.name
         for key in ("val", "phase", "gf_input"):
             assert plain(x.meta.get(key)) == plain(y.meta.get(key)), (x.name, key)
-    assert loaded.signature == original.signature
+    assert loaded.signature == original.signature  # the passes' scratch is not saved
     assert getattr(loaded.layout, "fingerprint", None) == getattr(original.layout, "fingerprint", None)
     assert (loaded.optim, loaded.strategy, loaded.inputs_meta) == (original.optim, original.strategy, original.inputs_meta)
     assert (loaded.passes, loaded.world_size, loaded.rank, loaded.group_name) == (
@@ -113,20 +114,20 @@ def _round_trip(rank: int, world_size: int, tmp: str) -> dict:
     return collectives
 
 
-def _round_trip_and_fixture(rank: int, world_size: int, tmp: str) -> tuple[dict, list[float]]:
-    return _round_trip(rank, world_size, tmp), _run_fixture(rank, world_size)
+def _round_trip_and_fixture(rank: int, world_size: int, tmp: str) -> tuple[dict, list[float], list[float]]:
+    return _round_trip(rank, world_size, tmp), _run_fixture(rank, world_size), _run_fixture(rank, world_size, FIXTURE_V2)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> list[tuple[dict, list[float]]]:
-    """The 2-rank round trip and the committed 2-rank fixture, in one spawn of ranks."""
+def two_ranks(tmp_path_factory) -> list[tuple[dict, list[float], list[float]]]:
+    """The 2-rank round trip and the committed 2-rank fixtures (v1, v2), in one spawn of ranks."""
     return run_ranks(_round_trip_and_fixture, 2, str(tmp_path_factory.mktemp("two_ranks")))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_loaded_program_equals_original_trains_bitwise_and_restarts_from_a_checkpoint(world_size, tmp_path, request):
     if world_size == 2:
-        results = [r for r, _ in request.getfixturevalue("two_ranks")]
+        results = [r for r, _, _ in request.getfixturevalue("two_ranks")]
     else:
         results = run_ranks(_round_trip, world_size, str(tmp_path))
     for counts in results:  # the collectives went through the file, and ran
@@ -261,9 +262,9 @@ def test_missing_file_is_refused(saved, tmp_path):
 def test_newer_format_version_is_refused(saved, tmp_path):
     path = copy_of(saved, tmp_path)
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["version"] = program_io.FORMAT_VERSION + 1
+    manifest["version"] = program_files.FORMAT_VERSION + 1
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(gf.ProgramFormatError, match=r"manifest\.json: format version 2 is newer.*upgrade graphfuse"):
+    with pytest.raises(gf.ProgramFormatError, match=r"manifest\.json: format version 3 is newer.*upgrade graphfuse"):
         gf.load_program(path)
 
 
@@ -373,16 +374,16 @@ def test_saving_over_a_non_program_directory_is_refused(tmp_path):
 # ---- format stability ------------------------------------------------------------------
 
 
-def _run_fixture(rank: int, world_size: int) -> list[float]:
-    data = load_file(str(FIXTURE / "data.safetensors"))
+def _run_fixture(rank: int, world_size: int, fixture: Path = FIXTURE) -> list[float]:
+    data = load_file(str(fixture / "data.safetensors"))
     model = mlp()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(data[f"param.{name}"])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    program = gf.load_program(FIXTURE / f"rank{rank}")
+    program = gf.load_program(fixture / f"rank{rank}")
     dm = gf.DistModel.from_program(program, model, opt)
-    steps = json.loads((FIXTURE / "expected.json").read_text())["steps"]
+    steps = json.loads((fixture / "expected.json").read_text())["steps"]
     losses = [dm((data[f"batch.{i}.x"], data[f"batch.{i}.y"])).item() for i in range(rank, steps * world_size, world_size)]
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, data[f"final.{name}"])
@@ -392,8 +393,26 @@ def _run_fixture(rank: int, world_size: int) -> list[float]:
 def test_committed_fixture_program_loads_and_trains(two_ranks):
     expected = json.loads((FIXTURE / "expected.json").read_text())
     assert expected["world_size"] == 2
-    losses = [fixture_losses for _, fixture_losses in two_ranks]
+    losses = [fixture_losses for _, fixture_losses, _ in two_ranks]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected["losses"]))
+
+
+def test_committed_v2_fixture_program_loads_and_trains(two_ranks):
+    expected = json.loads((FIXTURE_V2 / "expected.json").read_text())
+    assert json.loads((FIXTURE_V2 / "rank0" / "manifest.json").read_text())["version"] == 2
+    losses = [v2_losses for _, _, v2_losses in two_ranks]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected["losses"]))
+
+
+def test_v1_fixture_converts_to_v2_on_read(tmp_path):
+    """A v1 file loads as v2 would: no pass marks, the state plan derived (its stored one is
+    ignored), the placeholders' specs checked; saved again it is a v2 file that loads the same."""
+    v1 = gf.load_program(FIXTURE / "rank0")
+    assert not hasattr(v1.signature, "marks") and v1.state_plan is not None
+    assert json.loads((FIXTURE / "rank0" / "program.json").read_text())["signature"]["marks"]  # the file has them
+    gf.save_program(v1, tmp_path / "v2")
+    assert json.loads((tmp_path / "v2" / "manifest.json").read_text())["version"] == program_files.FORMAT_VERSION == 2
+    assert_same_program(gf.load_program(tmp_path / "v2"), v1)
 
 
 def test_cli_program_info(capsys):
@@ -408,3 +427,23 @@ def test_cli_program_info_reports_a_damaged_file(tmp_path, capsys):
     (path / "graph.json").write_bytes(b"{")
     assert cli_main(["program", "info", str(path)]) == 2
     assert "graph.json: truncated" in capsys.readouterr().err
+
+
+def test_conv_batchnorm_program_round_trips_and_trains_bitwise(tmp_path):
+    """Conv + BatchNorm (buffers updated by the forward, an int64 counter): the allowlist and
+    the codec hold such a step; the loaded program trains like the original."""
+    from test_capture import ConvNet, adamw, conv_batches, mlp_loss
+
+    torch.manual_seed(0)
+    model, batches = ConvNet(), conv_batches(3)
+    dm = gf.compile(model, adamw(model), mlp_loss, batches[0])
+    gf.save_program(dm.program, tmp_path / "conv")
+    loaded = gf.load_program(tmp_path / "conv")
+    assert_same_program(loaded, dm.program)
+    torch.manual_seed(0)
+    fresh = ConvNet()
+    rebuilt = gf.DistModel.from_program(loaded, fresh, adamw(fresh))
+    for batch in batches:
+        assert torch.equal(dm(batch), rebuilt(batch))
+    assert torch.equal(dm.model.bn1.running_mean, fresh.bn1.running_mean)
+    assert int(fresh.bn2.num_batches_tracked) == len(batches)

@@ -1,8 +1,9 @@
-"""Write the program-file fixture tests/fixtures/program_v1/: an MLP trained with SGD
-(momentum) compiled for 2 Gloo CPU ranks, each rank's saved program, and the data and
-losses a loaded program must reproduce. Run once per format version; commit the output.
+"""Write the program-file fixture of the current format version, tests/fixtures/program_v<N>/:
+an MLP trained with SGD (momentum) compiled for 2 Gloo CPU ranks, each rank's saved program,
+and the data and losses a loaded program must reproduce. Run once per format version and
+commit the output; the fixtures of older versions stay, so that the tests keep loading them.
 
-    python tools/make_program_fixture.py [--out tests/fixtures/program_v1]
+    python tools/make_program_fixture.py [--out tests/fixtures/program_v<N>]
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "program_v1"))
+    from graphfuse.program_files import FORMAT_VERSION
+
+    default = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / f"program_v{FORMAT_VERSION}"
+    parser.add_argument("--out", default=str(default))
     out = parser.parse_args().out
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
