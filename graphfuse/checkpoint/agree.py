@@ -71,17 +71,19 @@ class Exchange:
         status = {"payload": payload} if error is None else {"error": [type(error).__name__, describe(error)]}
         self.store.set(key.format(self.rank), json.dumps(status))
         keys = [key.format(r) for r in range(self.world_size)]
+        abandoned = f"{self.prefix}/{seq}/abandoned"
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout))
-        except Exception:  # the store's timeout; find who never came
-            missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
-            _raise(
-                op,
-                {r: ("CheckpointError", f"no report within {self.timeout:g} s (it failed or hangs)") for r in missing}
-                or {self.rank: ("CheckpointError", "the store did not answer")},
-                error,
-                self.rank,
-            )
+        except Exception:  # the store's timeout: say who never came, and warn latecomers
+            self.store.set(abandoned, str(self.rank))
+            missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])] or [self.rank]
+            late = {
+                r: ("CheckpointError", f"no report within {self.timeout:g} s (it failed or hangs)") for r in missing
+            }
+            _raise(op, late, error, self.rank)
+        if self.store.check([abandoned]):
+            gave_up = int(self.store.get(abandoned))
+            _raise(op, {gave_up: ("CheckpointError", "gave up waiting for the other ranks")}, error, self.rank)
         statuses = [json.loads(self.store.get(k)) for k in keys]
         if seq >= 2:  # every rank has read exchange seq-2 before it reported at seq-1
             self.store.delete_key(f"{self.prefix}/{seq - 2}/{self.rank}")

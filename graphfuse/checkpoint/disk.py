@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from graphfuse.checkpoint import directory, record, state
-from graphfuse.checkpoint.agree import Exchange
+from graphfuse.checkpoint.agree import Exchange, describe
 from graphfuse.checkpoint.plan import Piece, StatePlan
 from graphfuse.checkpoint.record import Record
 from graphfuse.checkpoint.storage import (
@@ -82,7 +82,10 @@ def save(dm, path: str | os.PathLike, mode: str | None = None, extra=None, timeo
     error, records = None, None
     try:
         writer = dcp.FileSystemWriter(str(tmp), thread_count=1, sync_files=True)
-        dcp.save(sd, storage_writer=writer, planner=SavePlanner(), process_group=dm.group)
+        try:
+            dcp.save(sd, storage_writer=writer, planner=SavePlanner(), process_group=dm.group)
+        except FAILURES as e:
+            raise CheckpointError(f"{tmp}: writing failed, {describe(e)}") from None
         records = file_records(tmp, dm.rank)
     except FAILURES as e:
         error = e
@@ -182,7 +185,10 @@ def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict]]:
     steps, a plain checkpoint's param groups, and that no file changed while it was read."""
     staged = {k: _stage(t) for k, t in c.targets.items()}
     into = {**staged, **c.small}
-    dcp.load(into, storage_reader=VerifiedReader(c.where, c.md), planner=LoadPlanner(), process_group=dm.group)
+    try:
+        dcp.load(into, storage_reader=VerifiedReader(c.where, c.md), planner=LoadPlanner(), process_group=dm.group)
+    except FAILURES as e:
+        raise CheckpointError(f"{c.where}: reading failed, {describe(e)}") from None
     for name, before in c.seen.items():
         if not (c.where / name).exists() or identity(c.where / name) != before:
             raise CheckpointError(
