@@ -40,12 +40,20 @@ def compile(
     return DistModel(model, optimizer, loss_fn, example_batch, strategy=strategy, group=group)
 
 
-def save(dm: DistModel, path, mode: str | None = None, extra: dict | None = None, timeout: float | None = None):
+def save(
+    dm: DistModel,
+    path,
+    mode: str | None = None,
+    extra: dict | None = None,
+    timeout: float | None = None,
+    async_: bool = False,
+):
     """Save `dm`'s training state to directory `path` (atomic; see graphfuse.checkpoint).
-    `timeout`: seconds a rank waits for the others at each stage (default 300)."""
+    `timeout`: seconds a rank waits for the others at each stage (default 300); `async_`:
+    write in the background and return a handle whose `wait()` joins it."""
     from graphfuse import checkpoint
 
-    checkpoint.save(dm, path, mode=mode, extra=extra, timeout=timeout)
+    return checkpoint.save(dm, path, mode=mode, extra=extra, timeout=timeout, async_=async_)
 
 
 def load(dm: DistModel, path, timeout: float | None = None):

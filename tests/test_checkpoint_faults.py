@@ -108,6 +108,14 @@ def faults_group(rank: int, world: int, root: str) -> dict:
     out["loaded"] = attempt(lambda: gf.load(dm, path))
     out["loaded_is_first_save"] = same_training_state(dm, good)
     out["saved"] = attempt(lambda: gf.save(dm, path))
+
+    # A background save while training goes on (its collectives on a group of their own).
+    handle = gf.save(dm, path + "_async", async_=True)
+    at_call = snapshot(dm)
+    out["async_losses"] = [dm(batch(rank, i)).item() for i in range(4, 6)]
+    handle.wait()
+    gf.load(dm, path + "_async")
+    out["async_is_state_at_call"] = same_training_state(dm, at_call)
     return out
 
 
@@ -155,3 +163,8 @@ def test_a_rank_that_never_comes_ends_the_wait_after_the_timeout(faults):
 def test_ranks_that_catch_the_error_and_continue_stay_in_step(faults):
     assert all(isinstance(r["loss_after_faults"], float) for r in faults)
     assert all(r["loaded"][0] is None and r["saved"][0] is None for r in faults)
+
+
+def test_an_async_save_on_two_ranks_holds_the_state_of_its_call(faults):
+    for r in faults:
+        assert len(r["async_losses"]) == 2 and r["async_is_state_at_call"]

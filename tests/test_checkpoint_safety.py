@@ -9,6 +9,8 @@ import json
 import os
 import pickle
 import shutil
+import socket
+import subprocess
 import zlib
 from pathlib import Path
 
@@ -235,3 +237,64 @@ def test_files_and_directories_are_flushed_before_the_renames_that_publish(tmp_p
     assert str(staging / ".metadata.tmp") in flushed  # DCP flushes its index, then renames it
     assert {str(staging), str(tmp_path)} <= flushed
     assert ("fsync", str(tmp_path)) in events[publish + 1 :], "the parent is flushed after the rename"
+
+
+# ---- the lock -----------------------------------------------------------------------------------
+def test_a_live_savers_lock_refuses_a_second_saver_and_a_loader(saved, tmp_path):
+    path = copy_of(saved["balanced"], tmp_path)
+    lock = tmp_path / "ckpt.lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "save_id": "x"}))
+    dm = trained()
+    with pytest.raises(gf.CheckpointError) as info:
+        gf.save(dm, path)
+    assert str(lock) in str(info.value) and f"pid {os.getppid()}" in str(info.value)
+    assert "load it after it finishes" in refused(dm, path)
+    assert lock.exists(), "another saver's lock is not ours to remove"
+
+
+def test_a_stale_lock_of_a_dead_saver_is_taken_over_and_released(saved, tmp_path):
+    path = copy_of(saved["balanced"], tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock = tmp_path / "ckpt.lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "save_id": "x"}))
+    dm = trained(steps=1)
+    assert gf.load(trained(), path) == {"note": 1}
+    gf.save(dm, path)
+    assert not lock.exists()
+    fresh = trained()
+    gf.load(fresh, path)
+    assert fresh.steps == [1]
+
+
+# ---- async save ---------------------------------------------------------------------------------
+def test_async_save_writes_the_state_of_its_call_while_training_goes_on(tmp_path):
+    dm = trained(steps=2)
+    gf.save(dm, tmp_path / "sync")
+    handle = gf.save(dm, tmp_path / "async", extra={"k": 2}, async_=True)
+    for i in range(2, 5):
+        dm(batch(0, i))  # changes the live buffers while the files are written
+    handle.wait()
+    a, b = trained(seed=11), trained(seed=12)
+    gf.load(a, tmp_path / "sync")
+    assert gf.load(b, tmp_path / "async") == {"k": 2}
+    assert a.steps == b.steps == [2]
+    for name in a.tensors:
+        if name.startswith("bucket"):
+            assert torch.equal(a.tensors[name], b.tensors[name]), name
+
+
+def test_an_async_save_failure_is_raised_by_wait_and_keeps_the_previous_checkpoint(saved, tmp_path, monkeypatch):
+    path = copy_of(saved["balanced"], tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_fs, "_write_item", full)
+    handle = gf.save(trained(seed=9), path, async_=True)
+    with pytest.raises(gf.CheckpointError, match="disk full"):
+        handle.wait()
+    monkeypatch.undo()
+    dm = trained()
+    assert gf.load(dm, path) == {"note": 1} and dm.steps == [3]
+    assert not (tmp_path / "ckpt.lock").exists()

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from graphfuse.errors import CheckpointError, CheckpointMismatchError
 
+FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for the others at one exchange of a save or load
 
 _OS_CAUSES = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system"}
@@ -91,3 +92,8 @@ class Exchange:
         if failures:
             _raise(op, failures, error, self.rank)
         return [s["payload"] for s in statuses]
+
+
+def exchange(dm, timeout: float | None) -> Exchange:
+    """The exchange among `dm`'s ranks."""
+    return Exchange(dm.group, dm.rank, dm.world_size, getattr(dm, "group_name", ""), timeout)

@@ -103,6 +103,81 @@ def publish(tmp: Path, final: Path) -> None:
     fsync(parent)
 
 
+# ---- the lock: one saver at a time, and loaders told to wait --------------------------------
+def lock_path(final: Path) -> Path:
+    return final.with_name(final.name + ".lock")
+
+
+def _holder(lock: Path) -> dict | None:
+    """The lock's holder, or None when there is no lock or its holder died on this host."""
+    try:
+        holder = json.loads(lock.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"host": "?", "pid": "?"}  # being written, or damaged: treat as held
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        if not _alive(holder["pid"]):
+            return None  # a saver killed on this host: its lock is stale
+    return holder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process its parent has not reaped yet is a zombie: dead all the same
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _held_error(lock: Path, holder: dict, doing: str) -> CheckpointError:
+    return CheckpointError(
+        f"{lock}: a save by host {holder.get('host')} pid {holder.get('pid')} holds this checkpoint; {doing} "
+        "after it finishes (if that process is gone, remove the lock file)"
+    )
+
+
+def acquire(final: Path, save_id: str) -> Path:
+    """Take `<path>.lock` for a save (created exclusively, holding host and pid), taking over
+    a stale one left by a saver that died on this host; refused while another save holds it."""
+    lock = lock_path(final)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _holder(lock)
+            if holder is not None:
+                raise _held_error(lock, holder, "save again") from None
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id}, f)
+        return lock
+    raise CheckpointError(f"{lock}: could not be taken; another saver races for it")
+
+
+def release(final: Path, save_id: str) -> None:
+    """Remove `<path>.lock` if this save holds it."""
+    lock = lock_path(final)
+    try:
+        if json.loads(lock.read_text()).get("save_id") == save_id:
+            lock.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def check_unlocked(final: Path) -> None:
+    """Refuse to load while a live save holds the checkpoint."""
+    holder = _holder(lock_path(final))
+    if holder is not None:
+        raise _held_error(lock_path(final), holder, "load it")
+
+
 def resolve(path: Path) -> Path:
     """The directory to load: `path`, or `<path>.old` when a save was interrupted between
     its two renames."""

@@ -1,116 +1,35 @@
-"""`save` and `load` on torch.distributed.checkpoint (DCP): all ranks meet at each stage
-(agree.Exchange), a save is published only once verified, and a load reads into staging
-buffers and copies into the live ones only after every rank read and checked all of it."""
+"""`load` from torch.distributed.checkpoint (DCP): every rank validates, then reads into staging
+buffers, meeting the others after each stage (agree.Exchange); the live buffers change only
+after every rank read and checked all of it."""
 
 from __future__ import annotations
 
-import io
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from graphfuse.checkpoint import directory, record, state
-from graphfuse.checkpoint.agree import Exchange, describe
+from graphfuse.checkpoint.agree import FAILURES, describe, exchange
 from graphfuse.checkpoint.plan import Piece, StatePlan
 from graphfuse.checkpoint.record import Record
+from graphfuse.checkpoint.saving import join
 from graphfuse.checkpoint.storage import (
     DCP_META,
     EXTRA_FILE,
     META_FILE,
     Chunks,
     LoadPlanner,
-    SavePlanner,
     VerifiedReader,
     check_files,
     crc32,
-    file_records,
     identity,
     read_dcp_metadata,
     tensor_md,
-    verify_files,
 )
 from graphfuse.errors import CheckpointError
-
-FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
-
-
-def _exchange(dm, timeout: float | None) -> Exchange:
-    return Exchange(dm.group, dm.rank, dm.world_size, getattr(dm, "group_name", ""), timeout)
-
-
-# ---- save -----------------------------------------------------------------------------------
-def _pickle(extra) -> bytes | None:
-    if extra is None:
-        return None
-    buf = io.BytesIO()
-    try:
-        torch.save(extra, buf)
-    except Exception as e:
-        raise CheckpointError(f"extra: cannot be saved ({type(e).__name__}: {e}); pass plain data") from None
-    return buf.getvalue()
-
-
-def save(dm, path: str | os.PathLike, mode: str | None = None, extra=None, timeout: float | None = None) -> None:
-    """Save `dm` to directory `path`: every rank writes into `<path>.saving`; rank 0 checks
-    that every rank's files are there with the sizes and CRC-32s their ranks computed, writes
-    graphfuse.json, and only then replaces `<path>`. `extra` is the caller's plain data (e.g.
-    {"scheduler": sched.state_dict()}), returned by `load`. A failure on any rank raises the
-    same CheckpointError on all ranks, within `timeout` seconds of waiting for each other."""
-    ex = _exchange(dm, timeout)
-    final = Path(path).absolute()
-    tmp, old = directory.siblings(final)
-    error, sd, blob, save_id = None, None, None, None
-    try:
-        mode = state.mode_of(dm, mode)
-        sd = state.state_dict(dm, mode)
-        sd.pop("graphfuse")
-        if dm.rank == 0:
-            for p in (final, old, tmp):
-                directory.check_replaceable(p)
-            blob = _pickle(extra)
-            save_id = uuid.uuid4().hex
-            directory.begin(tmp, save_id)
-    except FAILURES as e:
-        error = e
-    save_id = ex("gf.save (prepare)", error, save_id)[0]
-
-    error, records = None, None
-    try:
-        writer = dcp.FileSystemWriter(str(tmp), thread_count=1, sync_files=True)
-        try:
-            dcp.save(sd, storage_writer=writer, planner=SavePlanner(), process_group=dm.group)
-        except FAILURES as e:
-            raise CheckpointError(f"{tmp}: writing failed, {describe(e)}") from None
-        records = file_records(tmp, dm.rank)
-    except FAILURES as e:
-        error = e
-    gathered = ex("gf.save (write)", error, records)
-
-    error = None
-    if dm.rank == 0:
-        try:
-            files = {k: v for f in gathered for k, v in f.items()}
-            _finish(dm, mode, tmp, final, files, blob, save_id)
-        except FAILURES as e:
-            error = e
-    ex("gf.save (publish)", error)
-
-
-def _finish(dm, mode: str, tmp: Path, final: Path, files: dict, blob: bytes | None, save_id: str) -> None:
-    """Rank 0: verify every rank's files, write extra.pt and graphfuse.json, publish."""
-    md = read_dcp_metadata(tmp, files.get(DCP_META))
-    verify_files(tmp, files, md)
-    if blob is not None:
-        directory.write_file(tmp / EXTRA_FILE, blob)
-        files[EXTRA_FILE] = {"bytes": len(blob), "crc32": crc32(tmp / EXTRA_FILE)}
-    rec = state.record_of(dm, state.plan(dm), mode, files, save_id)
-    directory.write_file(tmp / META_FILE, rec.to_json().encode())
-    directory.publish(tmp, final)
 
 
 # ---- load -----------------------------------------------------------------------------------
@@ -133,9 +52,11 @@ def load(dm, path: str | os.PathLike, timeout: float | None = None):
     """Load the checkpoint at `path` into `dm` in place and return the `extra` it was saved
     with. A graphfuse checkpoint of either mode, or a plain DCP checkpoint of {"model",
     "optim"} from get_state_dict. Nothing changes unless every rank validated and read all of it."""
-    ex, p = _exchange(dm, timeout), state.plan(dm)
+    join(dm)
+    ex, p = exchange(dm, timeout), state.plan(dm)
     error, checked = None, None
     try:
+        directory.check_unlocked(Path(path).absolute())
         checked = _validate(dm, p, directory.resolve(Path(path).absolute()))
     except FAILURES as e:
         error = e
