@@ -298,3 +298,37 @@ def test_an_async_save_failure_is_raised_by_wait_and_keeps_the_previous_checkpoi
     dm = trained()
     assert gf.load(dm, path) == {"note": 1} and dm.steps == [3]
     assert not (tmp_path / "ckpt.lock").exists()
+
+
+# ---- damage anywhere, and files replaced during a load ------------------------------------------
+@pytest.mark.parametrize("victim", [".metadata", "__0_0.distcp", "graphfuse.json", "extra.pt"])
+@pytest.mark.parametrize("mode", ["balanced", "unbalanced"])
+def test_random_damage_to_any_file_is_refused_and_changes_nothing(saved, tmp_path, victim, mode):
+    """Seeded random byte flips (1 to 8 bytes, anywhere) in each file kind of a graphfuse checkpoint."""
+    dm = trained(mode)
+    rng = torch.Generator().manual_seed(zlib.crc32(f"{victim} {mode}".encode()))
+    for trial in range(6):
+        path = copy_of(saved[mode], tmp_path, f"t{trial}")
+        f = path / victim
+        data = bytearray(f.read_bytes())
+        for _ in range(int(torch.randint(1, 9, (), generator=rng))):
+            at = int(torch.randint(0, len(data), (), generator=rng))
+            data[at] ^= int(torch.randint(1, 256, (), generator=rng))
+        f.write_bytes(bytes(data))
+        refused(dm, path)
+
+
+def test_a_file_replaced_while_it_is_read_is_refused_and_changes_nothing(saved, tmp_path, monkeypatch):
+    from graphfuse.checkpoint import loading
+
+    path = copy_of(saved["balanced"], tmp_path)
+    original = loading.dcp.load
+
+    def load_then_replace(*args, **kwargs):  # another job rewrites the checkpoint meanwhile
+        original(*args, **kwargs)
+        data = path / "__0_0.distcp"
+        shutil.copyfile(data, tmp_path / "copy")
+        os.replace(tmp_path / "copy", data)
+
+    monkeypatch.setattr(loading.dcp, "load", load_then_replace)
+    assert "changed while it was being loaded" in refused(trained(), path)
