@@ -332,3 +332,18 @@ def test_a_file_replaced_while_it_is_read_is_refused_and_changes_nothing(saved, 
 
     monkeypatch.setattr(loading.dcp, "load", load_then_replace)
     assert "changed while it was being loaded" in refused(trained(), path)
+
+
+@pytest.mark.parametrize("mode", ["balanced", "unbalanced"])
+def test_in_memory_state_dict_round_trips_and_its_record_is_checked(mode):
+    dm = trained(mode, steps=3)
+    other = trained(mode, seed=5, steps=1)
+    other.load_state_dict(dm.state_dict())
+    assert other.steps == [3]
+    assert all(torch.equal(other.tensors[k], v) for k, v in dm.tensors.items() if k.startswith("bucket"))
+    sd = dm.state_dict()
+    sd["graphfuse"]["steps"] = ["x"]
+    snap = snapshot(other)
+    with pytest.raises(gf.CheckpointError, match=r"steps\[0\] must be an integer"):
+        other.load_state_dict(sd)
+    assert unchanged(other, snap)

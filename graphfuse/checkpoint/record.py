@@ -135,7 +135,7 @@ _FIELDS = {
     "files": lambda v, w: _map(v, w, _file),
     "torch": _str,
     "optimizer": _str,
-    "save_id": _str,
+    "save_id": lambda v, w: None if v is None else _str(v, w),  # None: an in-memory state dict
 }
 
 
