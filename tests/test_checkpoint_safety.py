@@ -347,3 +347,15 @@ def test_in_memory_state_dict_round_trips_and_its_record_is_checked(mode):
     with pytest.raises(gf.CheckpointError, match=r"steps\[0\] must be an integer"):
         other.load_state_dict(sd)
     assert unchanged(other, snap)
+
+
+def test_a_format_1_record_still_loads(saved, tmp_path):
+    path = copy_of(saved["balanced"], tmp_path)
+    f = path / "graphfuse.json"
+    d = json.loads(f.read_text())
+    for k in ("crc32", "optimizer", "save_id"):
+        d.pop(k)
+    d["files"].pop("extra.pt")
+    f.write_text(json.dumps({**d, "format": 1}))
+    dm = trained()
+    assert gf.load(dm, path) == {"note": 1} and dm.steps == [3]

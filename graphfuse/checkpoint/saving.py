@@ -93,7 +93,9 @@ def _copy(value):
     return value
 
 
-def save(dm, path: str | os.PathLike, mode=None, extra=None, timeout: float | None = None, async_: bool = False):
+def save(
+    dm, path: str | os.PathLike, mode: str | None = None, extra=None, timeout: float | None = None, async_: bool = False
+) -> SaveHandle | None:
     """Save `dm` to directory `path`; `extra` is the caller's plain data (e.g. {"scheduler":
     sched.state_dict()}), returned by `load`. A failure on any rank raises the same
     CheckpointError on all ranks, each waiting at most `timeout` seconds for the others.
