@@ -42,7 +42,7 @@ class SaveHandle:
 
     def __init__(self, run) -> None:
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, args=(run,), name="graphfuse-save", daemon=True)
+        self._thread = threading.Thread(target=self._main, args=(run,), name="graphfuse-save")
         self._thread.start()
 
     def _main(self, run) -> None:
