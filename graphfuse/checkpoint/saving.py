@@ -38,7 +38,8 @@ _side_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DistMod
 
 class SaveHandle:
     """A save running in the background; `wait()` joins it and raises its error, if any.
-    The next gf.save or gf.load of the same model joins it first."""
+    The next gf.save or gf.load of the same model joins it first (raising its error there);
+    call `wait()` before destroying the process group."""
 
     def __init__(self, run) -> None:
         self.error: BaseException | None = None
