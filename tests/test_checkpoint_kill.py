@@ -1,4 +1,4 @@
-"""SIGKILL at random points of a save loop (bounded, seeded trials, one process): the last
+"""SIGKILL at random points of a save loop, sync or async (bounded, seeded trials, one process): the last
 complete checkpoint always loads, and bitwise equals the state after the step it records."""
 
 from __future__ import annotations
@@ -28,25 +28,26 @@ def trained(steps: int, seed: int = 3):
     return dm
 
 
-def child(path: str, mode: str) -> None:
-    """Train and save after every step, forever; say "ready" once a checkpoint exists."""
+def child(path: str, mode: str, async_: bool) -> None:
+    """Train and save after every step, forever (async: the next step runs while the save
+    is written); say "ready" once a checkpoint exists."""
     dm = trained(1)
     gf.save(dm, path, mode=mode, extra={"steps": 1})
     print("ready", flush=True)
     i = 1
     while True:
+        handle = gf.save(dm, path, mode=mode, extra={"steps": i}, async_=async_)
         dm(batch(0, i))
         i += 1
-        gf.save(dm, path, mode=mode, extra={"steps": i})
+        if handle is not None:
+            handle.wait()
 
 
-@pytest.mark.parametrize("mode", ["unbalanced", "balanced"])
-def test_sigkill_during_saves_always_leaves_a_checkpoint_that_loads_bitwise(tmp_path, mode):
-    rng = random.Random(f"kill-{mode}")
+@pytest.mark.parametrize("mode, async_", [("unbalanced", False), ("balanced", False), ("unbalanced", True)])
+def test_sigkill_during_saves_always_leaves_a_checkpoint_that_loads_bitwise(tmp_path, mode, async_):
+    rng = random.Random(f"kill-{mode}-{async_}")
     path = tmp_path / "ckpt"
-    code = (
-        f"import sys; sys.path.insert(0, {HERE!r}); import test_checkpoint_kill as t; t.child({str(path)!r}, {mode!r})"
-    )
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_checkpoint_kill as t; t.child({str(path)!r}, {mode!r}, {async_!r})"
     for _ in range(3):
         proc = subprocess.Popen(
             [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
