@@ -189,13 +189,16 @@ def test_malformed_graphfuse_json_is_refused_naming_the_field(saved, tmp_path, e
 
 
 def test_an_adamw_checkpoint_does_not_load_into_sgd(saved, tmp_path):
-    sgd = trained(opt_cls=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False))
+    # SGD with AdamW's weight decay and no momentum: nothing but the optimizer's identity differs
+    sgd = trained(opt_cls=lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1, foreach=False))
     msg = refused(sgd, saved["balanced"], gf.CheckpointMismatchError)
     assert "AdamW" in msg and "SGD" in msg
+    assert "betas" not in sgd.optimizer.param_groups[0]
     plain = copy_of(saved["balanced"], tmp_path)  # the same without graphfuse.json: the groups tell
     (plain / "graphfuse.json").unlink()
-    sgd = trained(opt_cls=lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False))
     assert "betas" in refused(sgd, plain, gf.CheckpointMismatchError)
+    sgd = trained(opt_cls=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False))
+    assert "AdamW" in refused(sgd, saved["balanced"], gf.CheckpointMismatchError)
 
 
 def test_convert_refuses_an_edited_layout(saved, tmp_path):
