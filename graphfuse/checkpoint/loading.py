@@ -43,6 +43,7 @@ class _Checked:
     targets: dict
     derived: list[tuple[Piece, Piece]]
     small: dict  # step states, and a plain checkpoint's param groups
+    staged: dict  # a staging buffer for every target, allocated before the ranks agree
     seen: dict[str, tuple]  # identity of every file read, to see that none changes meanwhile
     extra: object
     groups: list[dict] | None
@@ -92,7 +93,8 @@ def _validate(dm, p: StatePlan, where: Path) -> _Checked:
         small.update({k: None for k in md.state_dict_metadata if k.startswith("optim.param_groups.")})
     seen |= check_files(where, md, rec.files if rec else None, set(wanted) | set(small))
     groups = state.check_groups(dm, p, rec.param_groups, name) if rec else None
-    return _Checked(where, rec, md, wanted, derived, small, seen, _read_extra(where, rec), groups)
+    staged = {k: _stage(t) for k, t in wanted.items()}  # may run out of memory: before the exchange
+    return _Checked(where, rec, md, wanted, derived, small, staged, seen, _read_extra(where, rec), groups)
 
 
 def _stage(target):
@@ -104,7 +106,7 @@ def _stage(target):
 def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict]]:
     """Read every target into a staging copy and check what only the data can tell: the
     steps, a plain checkpoint's param groups, and that no file changed while it was read."""
-    staged = {k: _stage(t) for k, t in c.targets.items()}
+    staged = c.staged
     into = {**staged, **c.small}
     try:
         dcp.load(into, storage_reader=VerifiedReader(c.where, c.md), planner=LoadPlanner(), process_group=dm.group)

@@ -111,6 +111,10 @@ def save(
         sd = state.state_dict(dm, mode)
         rec = state.record_of(dm, state.plan(dm), mode)
         del sd["graphfuse"]
+        if async_:  # before the exchange: nothing may fail on one rank between it and DCP's collectives
+            sd = _copy(sd)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         if dm.rank == 0:
             save_id = uuid.uuid4().hex
             directory.acquire(final, save_id)
@@ -123,9 +127,7 @@ def save(
     try:
         save_id = ex("gf.save (prepare)", error, save_id)[0]
         if async_:
-            sd, group = _copy(sd), _side_group(dm)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            group = _side_group(dm)
             handle = SaveHandle(lambda: _publish_unlock(dm, ex, group, sd, rec, tmp, final, blob, save_id))
             _pending[dm] = handle
             return handle
