@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 from graphfuse.checkpoint.storage import DATA_FILE, DCP_META, EXTRA_FILE, META_FILE
@@ -171,11 +172,14 @@ def release(final: Path, save_id: str) -> None:
         pass
 
 
-def check_unlocked(final: Path) -> None:
-    """Refuse to load while a live save holds the checkpoint."""
-    holder = _holder(lock_path(final))
-    if holder is not None:
-        raise _held_error(lock_path(final), holder, "load it")
+def check_unlocked(final: Path, wait: float = 10.0) -> None:
+    """Wait up to `wait` seconds for a live save holding the checkpoint to finish, then
+    refuse to load (a save that just ended on another rank may not have released it yet)."""
+    deadline = time.monotonic() + wait
+    while (holder := _holder(lock_path(final))) is not None:
+        if time.monotonic() > deadline:
+            raise _held_error(lock_path(final), holder, "load it")
+        time.sleep(0.05)
 
 
 def resolve(path: Path) -> Path:

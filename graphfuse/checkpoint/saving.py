@@ -177,6 +177,7 @@ def _write_and_publish(dm, ex: Exchange, group, sd: dict, rec: Record, tmp: Path
             _finish(rec, tmp, final, files, blob, save_id)
         except FAILURES as e:
             error = e
+        directory.release(final, save_id)  # before the others learn the save ended
     ex("gf.save (publish)", error)
 
 
