@@ -29,7 +29,7 @@ from graphfuse.checkpoint.storage import (
     read_dcp_metadata,
     tensor_md,
 )
-from graphfuse.errors import CheckpointError
+from graphfuse.errors import CheckpointError, CheckpointMismatchError
 
 
 # ---- load -----------------------------------------------------------------------------------
@@ -125,6 +125,8 @@ def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict]]:
         for key in c.small:
             if key.startswith("optim.param_groups."):
                 g, hyper = key[len("optim.param_groups.") :].split(".", 1)
+                if not g.isdigit() or int(g) >= len(dm.optimizer.param_groups):
+                    raise CheckpointMismatchError(f"{name}: {key!r} names a param group this optimizer does not have")
                 saved += [{} for _ in range(int(g) + 1 - len(saved))]
                 saved[int(g)][hyper] = into[key]
         groups = state.check_groups(dm, p, saved, name)
