@@ -41,18 +41,27 @@ def compile(
     return DistModel(model, optimizer, loss_fn, example_batch, strategy=strategy, group=group)
 
 
-def save(dm: DistModel, path, mode: str | None = None, extra: dict | None = None) -> None:
-    """Save `dm`'s training state to directory `path` (atomic; see graphfuse.checkpoint)."""
+def save(
+    dm: DistModel,
+    path,
+    mode: str | None = None,
+    extra: dict | None = None,
+    timeout: float | None = None,
+    async_: bool = False,
+):
+    """Save `dm`'s training state to directory `path` (atomic; see graphfuse.checkpoint).
+    `timeout`: seconds a rank waits for the others at each stage (default 300); `async_`:
+    write in the background and return a handle whose `wait()` joins it."""
     from graphfuse import checkpoint
 
-    checkpoint.save(dm, path, mode=mode, extra=extra)
+    return checkpoint.save(dm, path, mode=mode, extra=extra, timeout=timeout, async_=async_)
 
 
-def load(dm: DistModel, path):
+def load(dm: DistModel, path, timeout: float | None = None):
     """Load the checkpoint at `path` into `dm` in place; returns the `extra` saved with it."""
     from graphfuse import checkpoint
 
-    return checkpoint.load(dm, path)
+    return checkpoint.load(dm, path, timeout=timeout)
 
 
 __all__ = [

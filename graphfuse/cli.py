@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "ckpt":
-            from graphfuse import checkpoint
+            from graphfuse import checkpoint_cli
 
             if args.ckpt_command == "info":
-                return checkpoint.cli_info(args.path)
-            return checkpoint.cli_convert(args.src, args.dst, args.to)
+                return checkpoint_cli.cli_info(args.path)
+            return checkpoint_cli.cli_convert(args.src, args.dst, args.to)
         if args.command == "program":
             from graphfuse.program_files.info import cli_info
 

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import graphfuse as gf
-from graphfuse import checkpoint
-from graphfuse.checkpoint_io import Chunks, file_records
+from graphfuse import checkpoint_cli as checkpoint
+from graphfuse.checkpoint import record
+from graphfuse.checkpoint.storage import Chunks, file_records
 
 # graphfuse steps the optimizer inside its program, so torch's order check cannot see it.
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
@@ -136,7 +137,8 @@ def record_metadata(path: str, drop: bool = False) -> None:
         meta["files"].pop(".metadata", None)
     else:
         meta["files"].update(file_records(Path(path), 0))
-    json.dump(meta, open(f, "w"))
+    rec = record.from_dict(meta, f)  # sealed afresh: its own CRC-32 covers the edited records
+    open(f, "w").write(rec.to_json())
 
 
 BALANCED = [name for name, (mode, _) in CONFIGS.items() if mode == "balanced"]

@@ -1,0 +1,99 @@
+"""How the ranks agree around a save or load, outside the step: every rank reports its status
+(done, or its error) through the process group's store, so a failure on one rank ends on all
+ranks with the same CheckpointError, and a rank that never reports ends the wait after `timeout`."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from graphfuse.errors import CheckpointError, CheckpointMismatchError
+
+FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
+DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for the others at one exchange of a save or load
+
+_OS_CAUSES = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system"}
+_sequence = itertools.count()  # every rank runs the same exchanges in the same order
+
+
+def describe(e: BaseException) -> str:
+    """One line for an error, whatever raised it: DCP's CheckpointException (a BaseException
+    carrying each rank's error) is unwrapped, and a full disk says so."""
+    if isinstance(e, CheckpointException):
+        rank, (inner, _) = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
+        return f"inside torch.distributed.checkpoint on rank {rank}: {describe(inner)}"
+    if isinstance(e, CheckpointError):
+        return str(e)
+    if isinstance(e, OSError) and e.errno is not None:
+        cause = _OS_CAUSES.get(e.errno, e.strerror or type(e).__name__)
+        return f"{cause} ({e.filename}: {e.strerror})" if e.filename else f"{cause} ({e})"
+    return f"{type(e).__name__}: {e}"
+
+
+def _raise(op: str, failures: dict[int, tuple[str, str]], local: BaseException | None, rank: int) -> None:
+    first = min(failures)
+    cls_name, msg = failures[first]
+    cls = CheckpointMismatchError if cls_name == "CheckpointMismatchError" else CheckpointError
+    others = sorted(set(failures) - {first})
+    also = f" (ranks {others} failed too)" if others else ""
+    text = f"{op} failed on rank {first}: {msg}{also}"
+    if first != rank:
+        text += f"; rank {rank} stops too, with its state unchanged"
+    raise cls(text) from (local if isinstance(local, Exception) else None)
+
+
+class Exchange:
+    """All ranks of `group` meet at each call with their status; any error raises on all."""
+
+    def __init__(self, group, rank: int, world_size: int, group_name: str, timeout: float | None) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        if not self.timeout > 0:
+            raise CheckpointError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.prefix = f"graphfuse/checkpoint/{group_name or 'world'}"
+        # The default store reaches every rank without a collective, so a rank that failed
+        # (or never comes) cannot leave the others blocked inside one until the group's timeout.
+        self.store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
+
+    def __call__(self, op: str, error: BaseException | None, payload=None) -> list:
+        """Every rank's `payload`, once all ranks reported success for `op`; else raises on
+        every rank the first failing rank's error (or a timeout naming the missing ranks)."""
+        if self.world_size == 1:
+            if error is not None:
+                _raise(op, {0: (type(error).__name__, describe(error))}, error, 0)
+            return [payload]
+        seq = next(_sequence)
+        key = f"{self.prefix}/{seq}/{{}}"
+        status = {"payload": payload} if error is None else {"error": [type(error).__name__, describe(error)]}
+        self.store.set(key.format(self.rank), json.dumps(status))
+        keys = [key.format(r) for r in range(self.world_size)]
+        abandoned = f"{self.prefix}/{seq}/abandoned"
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception:  # the store's timeout: say who never came, and warn latecomers
+            self.store.set(abandoned, str(self.rank))
+            missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])] or [self.rank]
+            late = {
+                r: ("CheckpointError", f"no report within {self.timeout:g} s (it failed or hangs)") for r in missing
+            }
+            _raise(op, late, error, self.rank)
+        if self.store.check([abandoned]):
+            gave_up = int(self.store.get(abandoned))
+            _raise(op, {gave_up: ("CheckpointError", "gave up waiting for the other ranks")}, error, self.rank)
+        statuses = [json.loads(self.store.get(k)) for k in keys]
+        if seq >= 2:  # every rank has read exchange seq-2 before it reported at seq-1
+            self.store.delete_key(f"{self.prefix}/{seq - 2}/{self.rank}")
+        failures = {r: tuple(s["error"]) for r, s in enumerate(statuses) if "error" in s}
+        if failures:
+            _raise(op, failures, error, self.rank)
+        return [s["payload"] for s in statuses]
+
+
+def exchange(dm, timeout: float | None) -> Exchange:
+    """The exchange among `dm`'s ranks."""
+    return Exchange(dm.group, dm.rank, dm.world_size, getattr(dm, "group_name", ""), timeout)

@@ -1,0 +1,159 @@
+"""The checkpoint plan: which flat range of which runtime tensor is saved and loaded under
+which checkpoint key, as which chunk of which tensor, in both modes. Derived once per rank
+from the layout and the program's signature; everything else executes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphfuse import signature as sig
+from graphfuse.layout import BucketLayout, flat_boxes  # flat_boxes: re-exported for the serializer
+
+MASTER = "master"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of runtime tensor `tensor` (a name in DistModel.tensors) are the
+    chunk at `offsets` of size `sizes` of the checkpoint tensor at `path` (of shape `shape`).
+
+    Every piece is contiguous in the checkpoint tensor too, so `view(sizes)` of the flat
+    range is the chunk. Weights are replicated, so every rank writes the boxes of its shard
+    (`load=False`) but loads whole parameters (`save=False`); a tied alias is written only.
+    """
+
+    path: tuple[str, ...]  # nested state-dict path; DCP's flattened key is ".".join(path)
+    tensor: str
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: str
+    load: bool = True
+    save: bool = True
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.path)
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """Both checkpoint modes' pieces for one rank, plus what is not a slice of a buffer."""
+
+    rank: int
+    world_size: int
+    fingerprint: str
+    unbalanced: tuple[Piece, ...]
+    balanced: tuple[Piece, ...]
+    groups: tuple[tuple[str, ...], ...]  # each param group's FQNs, as optim.param_groups[g]["params"]
+    step_groups: tuple[int, ...]  # groups whose parameters carry a "step" state (Adam, AdamW)
+    master: bool  # fp32 master shards exist (saved as optim.state.<fqn>.master)
+
+    def pieces(self, mode: str) -> tuple[Piece, ...]:
+        return self.unbalanced if mode == "unbalanced" else self.balanced
+
+    def saved(self, mode: str) -> tuple[Piece, ...]:
+        return tuple(p for p in self.pieces(mode) if p.save)
+
+    def loaded(self, mode: str) -> tuple[Piece, ...]:
+        return tuple(p for p in self.pieces(mode) if p.load)
+
+
+def _states(shards: dict[str, str], bucket) -> list[tuple[str, str, str]]:
+    """(state, runtime tensor, dtype) of every state shard of `bucket`, master included."""
+    return [(n.split(".", 1)[1], n, d) for n, d in shards.items() if n.split(".", 1)[0] == bucket.name]
+
+
+def _param_pieces(layout: BucketLayout, rank: int, shards: dict[str, str], aliases: dict[str, str]) -> list[Piece]:
+    """Each parameter's data in this rank's shards, as boxes of the parameter's own shape:
+    the weights (`model.<fqn>`, from the bucket) and every state (`optim.state.<fqn>.<s>`)."""
+    pieces = []
+    tied: dict[str, list[str]] = {}
+    for alias, canonical in aliases.items():
+        tied.setdefault(canonical, []).append(alias)
+    for bucket in layout.buckets:
+        lo, _ = bucket.shard_range(rank)
+        for slot in bucket.slots:
+            whole = (0,) * len(slot.shape)
+            pieces.append(
+                Piece(
+                    ("model", slot.fqn),
+                    bucket.name,
+                    slot.offset,
+                    slot.offset + slot.numel,
+                    slot.shape,
+                    whole,
+                    slot.shape,
+                    bucket.dtype,
+                    save=False,
+                )
+            )
+        for s in bucket.slices(rank):
+            slot = bucket.slot(s.fqn)
+            for x, y, offsets, sizes in flat_boxes(slot.shape, s.param_start, s.param_start + s.numel):
+                at, n = s.shard_start + x - s.param_start, y - x
+                for fqn in (s.fqn, *tied.get(s.fqn, ())):
+                    pieces.append(
+                        Piece(
+                            ("model", fqn),
+                            bucket.name,
+                            lo + at,
+                            lo + at + n,
+                            slot.shape,
+                            offsets,
+                            sizes,
+                            bucket.dtype,
+                            load=False,
+                        )
+                    )
+                for state, tensor, dtype in _states(shards, bucket):
+                    pieces.append(
+                        Piece(("optim", "state", s.fqn, state), tensor, at, at + n, slot.shape, offsets, sizes, dtype)
+                    )
+    return pieces
+
+
+def _slice_pieces(layout: BucketLayout, rank: int, shards: dict[str, str]) -> list[Piece]:
+    """Unbalanced: each state's `slice@<fqn>.<state>@rank<r>`, whole, as this rank holds it."""
+    pieces = []
+    for bucket in layout.buckets:
+        for s in bucket.slices(rank):
+            for state, tensor, dtype in _states(shards, bucket):
+                key = f"slice@{s.fqn}.{state}@rank{rank}"
+                pieces.append(Piece((key,), tensor, s.shard_start, s.shard_end, (s.numel,), (0,), (s.numel,), dtype))
+    return pieces
+
+
+def derive_plan(
+    layout: BucketLayout,
+    rank: int,
+    shards: dict[str, str],
+    aliases: dict[str, str],
+    groups: tuple[tuple[str, ...], ...],
+    step_groups: tuple[int, ...],
+) -> StatePlan:
+    """The plan of rank `rank`. `shards` maps every state shard ("bucket<b>.<state>") to its
+    dtype; `aliases` maps tied FQNs to their canonical FQN. The offline converter calls this
+    with what a checkpoint records, so it reads exactly what the saving ranks wrote."""
+    balanced = _param_pieces(layout, rank, shards, aliases)
+    model = [p for p in balanced if p.path[0] == "model"]
+    return StatePlan(
+        rank=rank,
+        world_size=layout.world_size,
+        fingerprint=layout.fingerprint,
+        unbalanced=tuple(model + _slice_pieces(layout, rank, shards)),
+        balanced=tuple(balanced),
+        groups=groups,
+        step_groups=step_groups,
+        master=any(n.endswith(f".{MASTER}") for n in shards),
+    )
+
+
+def plan_of(program) -> StatePlan:
+    """The plan of `program`'s rank, from its layout, its state shards and its optimizer."""
+    shards = {n: program.inputs_meta[n].dtype for n in program.signature.names(sig.SHARD)}
+    groups = tuple(g.params for g in program.optim.groups)
+    step_groups = tuple(g for g, spec in enumerate(program.optim.groups) if spec.has_step)
+    return derive_plan(program.layout, program.rank, shards, dict(program.signature.aliases), groups, step_groups)

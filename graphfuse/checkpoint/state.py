@@ -1,0 +1,327 @@
+"""A DistModel's training state executed from its `StatePlan`: `state_dict` / `load_state_dict`
+in memory, and the checks both loads (memory and disk) run before anything changes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+
+from graphfuse import optim as gopt
+from graphfuse import signature as sig
+from graphfuse.checkpoint.plan import MASTER, Piece, StatePlan, plan_of
+from graphfuse.checkpoint.record import FORMAT, MODES, Record, from_dict
+from graphfuse.checkpoint.storage import Chunks
+from graphfuse.errors import CheckpointError, CheckpointMismatchError, UnsupportedError
+
+SCHEDULER_KEYS = {"initial_lr"}  # hyper-parameters torch's LR schedulers add to any optimizer's groups
+
+
+# ---- the plan, executed -------------------------------------------------------------
+def plan(dm) -> StatePlan:
+    p = dm.program.state_plan
+    return p if p is not None else plan_of(dm.program)  # a program saved before the serializer pass
+
+
+def mode_of(dm, mode: str | None) -> str:
+    mode = mode or dm.strategy.checkpoint_mode
+    if mode not in MODES:
+        raise CheckpointError(f"checkpoint mode {mode!r} is not one of {MODES}")
+    return mode
+
+
+def view(dm, p: Piece) -> torch.Tensor:
+    return dm.tensors[p.tensor][p.start : p.stop].view(p.sizes)
+
+
+def _by_key(pieces: Iterable[Piece]) -> dict[tuple[str, ...], list[Piece]]:
+    out: dict[tuple[str, ...], list[Piece]] = {}
+    for p in pieces:
+        out.setdefault(p.path, []).append(p)
+    return out
+
+
+def _value(dm, pieces: list[Piece]) -> torch.Tensor | Chunks:
+    """A plain view when this rank holds the whole tensor, else its chunks."""
+    p = pieces[0]
+    if len(pieces) == 1 and p.sizes == p.shape:
+        return view(dm, p)
+    return Chunks(p.shape, getattr(torch, p.dtype), [(q.offsets, q.sizes, view(dm, q)) for q in pieces])
+
+
+def _set(d: dict, path: tuple[str, ...], value) -> None:
+    for k in path[:-1]:
+        d = d.setdefault(k, {})
+    d[path[-1]] = value
+
+
+def _other_model_entries(dm) -> dict[str, torch.Tensor]:
+    """Frozen parameters and persistent buffers: whole on every rank, saved as plain tensors."""
+    planned = set(dm.layout.fqns) | set(dm.program.signature.aliases)
+    return {k: v.detach() for k, v in dm.model.state_dict().items() if k not in planned}
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _param_groups(dm, p: StatePlan) -> list[dict]:
+    """optim.param_groups as get_state_dict lays them out: hyper-parameters and FQNs."""
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": list(p.groups[i])}
+        for i, g in enumerate(dm.optimizer.param_groups)
+    ]
+
+
+def record_of(dm, p: StatePlan, mode: str, files: dict | None = None, save_id: str | None = None) -> Record:
+    program = dm.program
+    return Record(
+        format=FORMAT,
+        mode=mode,
+        world_size=dm.world_size,
+        fingerprint=p.fingerprint,
+        layout=dm.layout.to_json(),
+        shards={n: program.inputs_meta[n].dtype for n in program.signature.names(sig.SHARD)},
+        aliases=dict(program.signature.aliases),
+        groups=[list(g) for g in p.groups],
+        step_groups=list(p.step_groups),
+        steps=list(dm.steps),
+        param_groups=[{k: _jsonable(v) for k, v in g.items()} for g in _param_groups(dm, p)],
+        files=files or {},
+        torch=torch.__version__,
+        optimizer=type(dm.optimizer).__name__,
+        save_id=save_id,
+    )
+
+
+def state_dict(dm, mode: str | None = None) -> dict:
+    """This rank's training state in `mode`, as views of the live buffers (no copy).
+
+    balanced: {"model", "optim"} as get_state_dict lays them out, a tensor this rank holds
+    only in part being a `Chunks`; unbalanced: the same but for the optimizer states, which
+    are `slice@<fqn>.<state>@rank<r>` at the top level. "graphfuse" holds the record."""
+    mode, p = mode_of(dm, mode), plan(dm)
+    sd: dict = {"model": {}, "optim": {"state": {}}}
+    for path, pieces in _by_key(p.saved(mode)).items():
+        _set(sd, path, _value(dm, pieces))
+    sd["model"].update(_other_model_entries(dm))
+    for g in p.step_groups:
+        for fqn in p.groups[g]:
+            sd["optim"]["state"].setdefault(fqn, {})["step"] = torch.tensor(float(dm.steps[g]))
+    sd["optim"]["param_groups"] = _param_groups(dm, p)
+    sd["graphfuse"] = dataclasses.asdict(record_of(dm, p, mode))
+    return sd
+
+
+# ---- validation, shared by both loads -----------------------------------------------
+def check_layout(dm, p: StatePlan, record: Record, where: str) -> None:
+    """An unbalanced checkpoint fits only the world size and layout it was saved with."""
+    if record.mode != "unbalanced":
+        return
+    saved, diffs = record.layout, []
+    if record.world_size != dm.world_size:
+        diffs.append(f"world size {record.world_size} (this run: {dm.world_size})")
+    if saved["bucket_bytes"] != dm.layout.bucket_bytes:
+        diffs.append(
+            f"bucket size {saved['bucket_bytes'] / 2**20:g} MiB (this run: {dm.layout.bucket_bytes / 2**20:g} MiB)"
+        )
+    if saved["align_bytes"] != dm.layout.align_bytes:
+        diffs.append(f"alignment {saved['align_bytes']} B (this run: {dm.layout.align_bytes} B)")
+    if record.fingerprint != p.fingerprint:
+        diffs.append(f"layout fingerprint {record.fingerprint} (this run: {p.fingerprint})")
+    if diffs:
+        raise CheckpointMismatchError(
+            f"{where}: an unbalanced checkpoint loads only into the layout it was saved with, and it differs in "
+            + "; ".join(diffs)
+            + f". Convert it offline (`graphfuse ckpt convert {where} DST --to balanced`) and gf.load DST, "
+            "or save in balanced mode (gf.save(dm, path, mode='balanced')), which loads at any world size"
+        )
+
+
+def targets(dm, p: StatePlan, mode: str, has: Callable) -> tuple[dict, list[tuple[Piece, Piece]]]:
+    """{checkpoint key: live tensor or Chunks} to fill, and the master shards to derive from
+    the weights because the checkpoint has none (one saved without master weights)."""
+    out: dict = {}
+    derived: list[tuple[Piece, Piece]] = []
+    model = {(q.path[1], q.offsets): q for q in p.saved(mode) if q.path[0] == "model"}
+    for path, pieces in _by_key(p.loaded(mode)).items():
+        key = ".".join(path)
+        if mode == "balanced" and path[-1] == MASTER and not has(key):
+            derived += [(q, model[(q.path[2], q.offsets)]) for q in pieces]
+            continue
+        out[key] = _value(dm, pieces)
+    for k, v in _other_model_entries(dm).items():
+        out[f"model.{k}"] = v
+    return out, derived
+
+
+def step_keys(p: StatePlan) -> list[str]:
+    """The `step` states of every parameter of the groups that have one (Adam, AdamW)."""
+    return [f"optim.state.{fqn}.step" for g in p.step_groups for fqn in p.groups[g]]
+
+
+def check_tensor(key: str, target, shape: tuple, dtype: torch.dtype, where: str) -> None:
+    if tuple(target.size()) != tuple(shape):
+        raise CheckpointMismatchError(
+            f"{where}: key {key!r} has shape {tuple(shape)}, this model expects {tuple(target.size())}"
+        )
+    if dtype != target.dtype:
+        raise CheckpointMismatchError(f"{where}: key {key!r} has dtype {dtype}, this model expects {target.dtype}")
+
+
+def check_optimizer(dm, record: Record | None, where: str) -> None:
+    live = type(dm.optimizer).__name__
+    if record is not None and record.optimizer is not None and record.optimizer != live:
+        raise CheckpointMismatchError(
+            f"{where}: saved from a {record.optimizer} optimizer, this one is {live}; "
+            f"compile with {record.optimizer} to load it"
+        )
+
+
+def check_groups(dm, p: StatePlan, saved: list[dict], where: str) -> list[dict]:
+    """The hyper-parameters to restore into optimizer.param_groups, refused (before anything
+    changes) when the groups hold other parameters, name hyper-parameters this optimizer
+    lacks (another optimizer's checkpoint), or change a value traced into the graph."""
+    live = type(dm.optimizer).__name__
+    if len(saved) != len(dm.optimizer.param_groups):
+        raise CheckpointMismatchError(
+            f"{where}: {len(saved)} param groups saved, the optimizer has {len(dm.optimizer.param_groups)}"
+        )
+    fqns, out = set(dm.layout.fqns), []
+    for g, (s, group, spec) in enumerate(zip(saved, dm.optimizer.param_groups, dm.program.optim.groups)):
+        names = [n for n in s.get("params", []) if n in fqns]
+        if names != list(p.groups[g]):
+            raise CheckpointMismatchError(
+                f"{where}: param group {g} holds {names}, the optimizer's holds {list(p.groups[g])}"
+            )
+        foreign = sorted(set(s) - set(group) - SCHEDULER_KEYS - {"params"})
+        if foreign:
+            raise CheckpointMismatchError(
+                f"{where}: param group {g} has hyper-parameters {foreign} that {live} does not have; "
+                "the checkpoint was saved from another optimizer"
+            )
+        values = {k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in s.items() if k != "params"}
+        try:
+            gopt.check_group_unchanged(spec, {**group, **values}, g)
+        except UnsupportedError as e:
+            raise CheckpointMismatchError(f"{where}: {e}") from None
+        out.append(values)
+    return out
+
+
+def steps_of(p: StatePlan, record: Record | None, read_step: Callable, has: Callable, where: str) -> list[int]:
+    """Each group's step counter, taken from the data (Adam's `step` states) and checked
+    against graphfuse.json; for SGD, the record's, or 1 when a momentum buffer exists."""
+    steps = []
+    for g, fqns in enumerate(p.groups):
+        if g in p.step_groups:
+            seen = {float(read_step(f"optim.state.{f}.step")) for f in fqns} or {0.0}
+            value = next(iter(seen)) if len(seen) == 1 else None
+            if value is None or not value.is_integer() or value < 0:
+                raise CheckpointError(
+                    f"{where}: param group {g}'s step states are not one whole number: {sorted(seen)}"
+                )
+            if record is not None and record.steps[g] != int(value):
+                raise CheckpointError(
+                    f"{where}: graphfuse.json says step {record.steps[g]} for param group {g}, the data says "
+                    f"{int(value)}; the checkpoint is damaged"
+                )
+            steps.append(int(value))
+        elif record is not None:
+            steps.append(record.steps[g])
+        else:
+            steps.append(int(any(has(f"optim.state.{f}.momentum_buffer") for f in fqns)))
+    return steps
+
+
+def apply(dm, derived: list[tuple[Piece, Piece]], steps: list[int], groups: list[dict]) -> None:
+    with torch.no_grad():
+        for master, weight in derived:
+            view(dm, master).copy_(view(dm, weight))
+    dm.steps = list(steps)
+    for group, values in zip(dm.optimizer.param_groups, groups):
+        group.update(values)
+
+
+# ---- in memory ------------------------------------------------------------------------
+def _lookup(sd: dict, key_path: tuple[str, ...]):
+    d = sd
+    for k in key_path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _split(key: str) -> tuple[str, ...]:
+    """A target key back into its state-dict path: "model.<fqn>", "optim.state.<fqn>.<s>" or "slice@..."."""
+    if key.startswith("model."):
+        return ("model", key[6:])
+    if key.startswith("optim.state."):
+        fqn, state = key[12:].rsplit(".", 1)
+        return ("optim", "state", fqn, state)
+    return (key,)
+
+
+def _pairs(key: str, target, source, where: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination view, source tensor) pairs that fill `target` from an in-memory value."""
+    tchunks = target.chunks if isinstance(target, Chunks) else [((0,) * target.dim(), tuple(target.shape), target)]
+    if isinstance(source, torch.Tensor):
+        return [(v, source[tuple(slice(o, o + s) for o, s in zip(off, sz))]) for off, sz, v in tchunks]
+    held = {(tuple(off), tuple(sz)): t for off, sz, t in source.chunks}
+    out = []
+    for off, sz, v in tchunks:
+        src = held.get((tuple(off), tuple(sz)))
+        if src is None:
+            raise CheckpointMismatchError(
+                f"{where}: key {key!r} lacks the chunk at offsets {tuple(off)} of size {tuple(sz)} this rank holds; "
+                "an in-memory state dict loads only at the layout it came from; use gf.save and gf.load to reshard"
+            )
+        out.append((v, src))
+    return out
+
+
+def load_state_dict(dm, sd: dict) -> None:
+    """Copy `sd` (from state_dict, or a plain {"model", "optim"} of full tensors) into the
+    live buffers, after validating every key, shape, dtype, step and the layout."""
+    where, p = "state dict", plan(dm)
+    record = from_dict(sd["graphfuse"], where) if sd.get("graphfuse") is not None else None
+    mode = record.mode if record else "balanced"
+    if record:
+        check_layout(dm, p, record, where)
+        check_optimizer(dm, record, where)
+
+    def has(key: str) -> bool:
+        return _lookup(sd, _split(key)) is not None
+
+    def get(key: str):
+        source = _lookup(sd, _split(key))
+        if not isinstance(source, (torch.Tensor, Chunks)):
+            raise CheckpointError(
+                f"{where}: key {key!r} is missing" if source is None else f"{where}: key {key!r} is not a tensor"
+            )
+        return source
+
+    wanted, derived = targets(dm, p, mode, has)
+    pairs = []
+    for key, target in wanted.items():
+        source = get(key)
+        check_tensor(key, target, tuple(source.size()), source.dtype, where)
+        pairs += _pairs(key, target, source, where)
+    for dst, src in pairs:
+        if dst.shape != src.shape:
+            raise CheckpointMismatchError(
+                f"{where}: a chunk of shape {tuple(src.shape)} cannot fill one of {tuple(dst.shape)}"
+            )
+    steps = steps_of(p, record, lambda k: get(k).item(), has, where)
+    saved_groups = record.param_groups if record else (_lookup(sd, ("optim", "param_groups")) or [])
+    groups = check_groups(dm, p, saved_groups, where)
+    with torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src)
+    apply(dm, derived, steps, groups)
