@@ -88,7 +88,7 @@ class ShardedOptimizer:
         self.optimizer = optimizer
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = optimizer.param_groups[0]["params"][0].device.type
-        self.strategy = strategy = strategy.for_backend(backend_of(self.group, device))
+        self.strategy = strategy = strategy.for_backend(backend_of(self.group, device), device)
         self.params = {f"param{i}": p for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         program = capture_update(self.params, optimizer, strategy)
         # Without a backward graph, assume gradients arrive in reverse registration order.

@@ -177,7 +177,7 @@ class DistModel:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = next(model.parameters(), torch.empty(0)).device.type
-        self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device))
+        self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
         key = batch_key(example_batch)
         check_batch(key)
         self._start(self._build(example_batch), key)

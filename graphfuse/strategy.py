@@ -44,6 +44,11 @@ class Strategy:
     # Programs traced for distinct batch keys (shapes, dtypes, non-tensor leaf values) kept at
     # once, least recently used dropped first, with a warning.
     program_cache_size: int = 8
+    # Copy each collective's input to the host and its result back (passes/stage_on_host.py).
+    # "auto": on for a Gloo group over CUDA tensors (ranks sharing one GPU, where NCCL refuses
+    # two ranks and Gloo's functional collectives on CUDA tensors crashed on torch 2.11), off
+    # otherwise and for a program built without a runtime.
+    stage_collectives_on_host: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if not self.bucket_size_mb > 0:
@@ -71,16 +76,24 @@ class Strategy:
         if not (k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
             raise UnsupportedError(f"Strategy.max_inflight_collectives must be an int >= 1, None or 'auto', got {k!r}")
 
+        if self.stage_collectives_on_host not in (True, False, "auto"):
+            raise UnsupportedError(
+                f"Strategy.stage_collectives_on_host must be True, False or 'auto', got {self.stage_collectives_on_host!r}"
+            )
         if not isinstance(self.program_cache_size, int) or self.program_cache_size < 1:
             raise UnsupportedError(f"Strategy.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")
 
-    def for_backend(self, backend: str | None) -> Strategy:
+    def for_backend(self, backend: str | None, device_type: str = "cpu") -> Strategy:
         """This strategy with "auto" settings resolved for a process group of `backend`
-        (None: no process group)."""
-        if self.max_inflight_collectives != "auto":
-            return self
-        bound = INFLIGHT_BY_BACKEND.get(backend) if backend else None
-        return dataclasses.replace(self, max_inflight_collectives=bound)
+        (None: no process group) over tensors of `device_type`."""
+        resolved = self
+        if self.max_inflight_collectives == "auto":
+            bound = INFLIGHT_BY_BACKEND.get(backend) if backend else None
+            resolved = dataclasses.replace(resolved, max_inflight_collectives=bound)
+        if self.stage_collectives_on_host == "auto":
+            stage = backend == "gloo" and device_type != "cpu"
+            resolved = dataclasses.replace(resolved, stage_collectives_on_host=stage)
+        return resolved
 
     @property
     def bucket_bytes(self) -> int:

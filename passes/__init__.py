@@ -11,7 +11,17 @@ from types import ModuleType
 from graphfuse.errors import GraphfuseError
 from graphfuse.program import Handoffs, PassRun, Program
 
-from . import all_gather, clip_grad_norm, fuse_params, overlap, plan_buckets, reduce_scatter, serializer, sharded_update
+from . import (
+    all_gather,
+    clip_grad_norm,
+    fuse_params,
+    overlap,
+    plan_buckets,
+    reduce_scatter,
+    serializer,
+    sharded_update,
+    stage_on_host,
+)
 from ._contract import check_pipeline, expect_handoffs
 from ._graph import count_targets, eliminate_dead_code, is_collective, issues_collective
 from .verify import VerifyError, verify
@@ -38,6 +48,7 @@ PIPELINE: list[ModuleType] = [
     clip_grad_norm,  # (if max_grad_norm) global norm over shards, one all-reduce
     sharded_update,  # one fused optimizer update per bucket shard
     all_gather,  # one all-gather per bucket back into the bucket
+    stage_on_host,  # (if stage_collectives_on_host) collectives read and write host copies
     overlap,  # (if overlap) wait for each collective only where its result is first used
     serializer,  # the save and load plan of both checkpoint modes
 ]

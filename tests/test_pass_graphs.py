@@ -21,6 +21,7 @@ from graphfuse.passes import (
     reduce_scatter,
     serializer,
     sharded_update,
+    stage_on_host,
 )
 from graphfuse.passes.verify import verify
 from torch.testing import FileCheck
@@ -170,6 +171,25 @@ def test_overlap_does_not_apply_without_strategy_overlap():
     program = program_before(overlap, overlap=False)
     out = passes.run_pass(program, overlap, check=True)
     assert out is program and out.pass_names[-1] == "all_gather"
+
+
+def test_stage_on_host_copies_each_collective_input_to_the_host_and_its_result_back():
+    out, code = run(program_before(stage_on_host, stage_collectives_on_host=True), stage_on_host)
+    host = "device = device(type='cpu')"
+    for src, collective in [("cat_default,", RS), ("cat_default_1,", RS), ("addcmul_2,", AG), ("addcmul_3,", AG)]:
+        (FileCheck().check(f"_to_copy.default({src} {host})").check_next(f"{collective}(_to_copy_default").run(code))
+    # The copy back stands where the result is first used (here right after the wait; the
+    # overlap pass then moves the wait down to it).
+    (FileCheck().check(f"{WAIT}(reduce_scatter_tensor_default)").check(f"_to_copy.default(wait_tensor_default, {host})")
+     .check_next("aten.add.Tensor(mul_4, _to_copy_default_1").run(code))
+    assert code.count("_to_copy.default(wait_tensor_default") == 4
+    assert "return (detach, add_2, add_3, _to_copy_default_5, _to_copy_default_7)" in code
+
+
+@pytest.mark.parametrize("setting", [False, "auto"])
+def test_stage_on_host_does_not_apply_unless_the_strategy_says_so(setting):
+    program = program_before(stage_on_host, stage_collectives_on_host=setting)
+    assert passes.run_pass(program, stage_on_host, check=True) is program
 
 
 def test_serializer_plans_rank_1_pieces_and_leaves_the_graph_alone():

@@ -1,0 +1,64 @@
+"""Stage collectives on the host: each collective reads a host copy of its input and its
+result is copied back to the device before its first use. For Gloo groups over CUDA tensors
+(several ranks sharing one GPU, where NCCL refuses), whose functional collectives on CUDA
+tensors crashed in torch 2.11; it applies only with `Strategy.stage_collectives_on_host`."""
+
+from __future__ import annotations
+
+import torch
+
+from graphfuse import signature as sig
+from graphfuse.program import Program
+
+from ._contract import expect
+from ._graph import aten, c10d, call, issues_collective, position
+
+NAME = "stage_on_host"
+NEEDS: tuple[str, ...] = ()
+PROVIDES: tuple[str, ...] = ()
+HOST = torch.device("cpu")
+
+
+def applies(program: Program) -> bool:
+    return program.strategy.stage_collectives_on_host is True and program.layout.world_size > 1
+
+
+def requires(program: Program) -> None:
+    expect(program, NAME, any(issues_collective(n) for n in program.graph.nodes), "collectives to stage (world size > 1)")
+    for n in _collectives(program):
+        expect(program, NAME, _wait_of(n) is not None, f"{n.name} waited for by exactly one wait_tensor")
+
+
+def run(program: Program) -> Program:
+    graph = program.graph
+    device = torch.device(program.layout.buckets[0].device)
+    for node in _collectives(program):
+        with graph.inserting_before(node):
+            host = call(graph, aten._to_copy.default, node.args[0], device=HOST, phase=sig.COMM)
+        node.args = (host, *node.args[1:])
+        wait = _wait_of(node)
+        order = position(graph)
+        first_use = min(wait.users, key=order.__getitem__)
+        with graph.inserting_before(first_use):
+            back = call(graph, aten._to_copy.default, wait, device=device, phase=sig.COMM)
+        wait.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
+    return program
+
+
+def ensures(program: Program) -> None:
+    for node in _collectives(program):
+        src = node.args[0]
+        expect(program, NAME, src.target is aten._to_copy.default and src.kwargs.get("device") == HOST,
+               f"{node.name} reads a host copy of its input")
+        wait = _wait_of(node)
+        expect(program, NAME, all(u.target is aten._to_copy.default for u in wait.users),
+               f"the result of {node.name} is used only through a copy back to the device")
+
+
+def _collectives(program: Program) -> list[torch.fx.Node]:
+    return [n for n in program.graph.nodes if issues_collective(n)]
+
+
+def _wait_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+    return waits[0] if len(node.users) == 1 and len(waits) == 1 else None
