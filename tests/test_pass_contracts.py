@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-from graphfuse.passes import all_gather, clip_grad_norm, overlap, reduce_scatter, sharded_update
+from graphfuse.passes import all_gather, clip_grad_norm, overlap, reduce_scatter, sharded_update, stage_on_host
 from graphfuse.passes._graph import c10d
 from graphfuse.passes.verify import VerifyError, verify
 
@@ -73,13 +73,14 @@ def test_a_hand_off_a_pass_needs_must_be_there_when_it_runs():
         passes.run_pass(program, sharded_update)
 
 
-@pytest.mark.parametrize("strategy,skipped", [({}, {"clip_grad_norm"}), ({"overlap": False}, {"clip_grad_norm", "overlap"}), ({"max_grad_norm": 1.0}, set())])
+@pytest.mark.parametrize("strategy,skipped", [({}, {"clip_grad_norm", "stage_on_host"}), ({"overlap": False}, {"clip_grad_norm", "overlap", "stage_on_host"}), ({"max_grad_norm": 1.0}, {"stage_on_host"})])
 def test_each_pass_decides_whether_it_applies(strategy, skipped):
     program = passes.run_pipeline(mlp_program(**strategy), check=True)
     ran = [passes.pass_name(p) for p in passes.PIPELINE if passes.pass_name(p) not in skipped]
     assert program.pass_names == ("capture", *ran)
     assert clip_grad_norm.applies(program) == ("max_grad_norm" in strategy)
     assert overlap.applies(program) == strategy.get("overlap", True)
+    assert not stage_on_host.applies(program)  # "auto" is resolved by a runtime only; none here
 
 
 def test_statistics_count_what_each_pass_did(caplog):
