@@ -148,8 +148,9 @@ def test_inductor_step_gradients_match_eager_executor_with_nan_filled_memory():
         for s in bucket.slots:
             want = eager[f"{bucket.name}.exp_avg"][s.offset : s.offset + s.numel]
             got = compiled[f"{bucket.name}.exp_avg"][s.offset : s.offset + s.numel]
-            # Rounding: other reduction orders and fused kernels (measured max 2e-6 relative to
-            # the largest gradient of the parameter); the bug gave errors 1e3 times the gradient.
+            # Rounding from other reduction orders and fused kernels stays far inside 1e-3 of the
+            # parameter's largest gradient (the test passes on an H200); the bug gave errors of
+            # 1e3 to 1e4 times the gradient.
             tol = 1e-3 * want.abs().max().item() + 1e-12
             err = (got - want).abs().max().item()
             assert err <= tol, f"gradient of {s.fqn}: max |compiled - eager| {err:.3g} > {tol:.3g}"

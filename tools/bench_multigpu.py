@@ -5,6 +5,8 @@ step of graphfuse against DDP + ZeroRedundancyOptimizer and FSDP2. Spawns its ow
     python tools/bench_multigpu.py comm        --device cuda --world-size 4
     python tools/bench_multigpu.py step        --device cuda --world-size 4
 
+`--device cuda --backend gloo` runs every rank on GPU 0 over Gloo (collectives staged through the
+host: Strategy.stage_collectives_on_host), for machines with fewer GPUs than ranks.
 `--device cuda` runs one rank per GPU over NCCL (NCCL_NVLS_ENABLE=0 is kept set: NVLink
 multicast stays off) and graphfuse with compile="inductor"; `--device cpu` runs Gloo ranks and
 graphfuse with compile="eager" (for smoke runs; its times say nothing about GPUs). Every
