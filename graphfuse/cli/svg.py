@@ -4,6 +4,7 @@ each collective drawn from where it is issued to where it is waited for)."""
 
 from __future__ import annotations
 
+import colorsys
 import hashlib
 from xml.sax.saxutils import escape, quoteattr
 
@@ -19,7 +20,8 @@ HATCH = ('<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpace
 def colour(fqn: str) -> str:
     """A stable, light-enough colour per parameter name."""
     h = int(hashlib.sha1(fqn.encode()).hexdigest()[:6], 16)
-    return f"hsl({h % 360},{45 + h // 360 % 30}%,{55 + h // 10800 % 20}%)"
+    r, g, b = colorsys.hls_to_rgb(h % 360 / 360, (60 + h // 10800 % 18) / 100, (45 + h // 360 % 30) / 100)
+    return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"  # hex: every SVG renderer reads it
 
 
 def _text(x: float, y: float, s: str, anchor: str = "start", size: int = 12, extra: str = "") -> str:
@@ -62,7 +64,8 @@ def layout_svg(facts: dict) -> str:
     width = LABEL_W + world * (SHARD_W + GAP)
     height = TOP + len(buckets) * ROW_H + 8
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="layout" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="sans-serif">', HATCH]
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif">', HATCH,
+           f'<rect width="{width}" height="{height}" fill="#ffffff"/>']
     for r in range(world):
         x = LABEL_W + r * (SHARD_W + GAP)
         out.append(_text(x + SHARD_W / 2, 20, f"rank {r}'s shard", "middle", 13, ' class="column"'))
