@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from rich.table import Table
@@ -136,9 +135,8 @@ def cli_convert(src: str, dst: str, to: str) -> int:
         raise UsageError(f"{dst}: exists; choose a new destination (nothing was written)")
     staging, _ = directory.siblings(Path(dst).absolute())
     staged_before = os.path.lexists(staging)
-    say = (lambda stage: print(f"{stage}...", file=sys.stderr, flush=True))
     try:
-        done = convert.convert(src, dst, to, progress=say)
+        done = convert.convert(src, dst, to, progress=lambda stage: print(f"{stage}...", flush=True))
     except BaseException:
         if not staged_before and staging.is_dir():  # ours: this conversion made it
             shutil.rmtree(staging, ignore_errors=True)

@@ -108,6 +108,7 @@ def _report(args) -> int:
 
 
 def _demo(args) -> int:
+    print("graphfuse demo: loading torch and graphfuse", flush=True)  # an import takes seconds: say so first
     from graphfuse.demo import run_demo
 
     return run_demo(args)

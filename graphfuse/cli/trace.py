@@ -105,7 +105,7 @@ def run_trace(args) -> int:
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / TRACE_FILE).is_file())):
         raise UsageError(f"{out}: exists and is not an earlier trace output; choose another --out or remove it")
     ranks = list(range(args.world_size)) if args.all_ranks else [args.rank or 0]
-    say = (lambda *a, **k: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    say = (lambda *a, **k: None) if args.json else (lambda *a: print(*a, flush=True))
     say(f"graphfuse trace: running {args.factory}")
     made = call_factory(args.factory)
     device = next(made[0].parameters(), torch.empty(0)).device.type
