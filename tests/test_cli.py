@@ -242,3 +242,29 @@ def test_png_without_cairosvg_says_how_to_get_it(traced, tmp_path):
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
+
+
+def test_dependencies_are_declared_exactly_as_imported():
+    """Every third-party module graphfuse imports is a declared dependency (an optional extra for
+    imports that say how to get it), and every declared dependency is imported."""
+    import tomllib
+    from importlib import metadata
+
+    root = Path(__file__).resolve().parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+
+    def names(reqs):
+        return {re.split(r"[ <>=!~;\[]", r, maxsplit=1)[0].lower() for r in reqs}
+
+    declared = names(project["dependencies"])
+    optional = names(project["optional-dependencies"]["png"])
+    owners = metadata.packages_distributions()
+    imported = set()
+    for f in [*(root / "graphfuse").rglob("*.py"), *(root / "passes").rglob("*.py")]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            tops = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] if (
+                isinstance(node, ast.ImportFrom) and node.level == 0) else []
+            for top in (t.split(".")[0] for t in tops):
+                if top not in sys.stdlib_module_names and top != "graphfuse":
+                    imported |= {d.lower() for d in owners.get(top, [top])}
+    assert imported - optional == declared, (imported, declared)
