@@ -94,9 +94,9 @@ def traced(factory, tmp_path_factory) -> Path:
 def test_every_command_has_help_and_the_tool_its_version():
     commands = ([], ["trace"], ["inspect"], ["report"], ["demo"], ["ckpt"], ["ckpt", "info"], ["ckpt", "convert"],
                 ["program"], ["program", "info"])
-    for cmd, done in zip(commands, graphfuse_batch(*(c + ["--help"] for c in commands))):
+    *helped, version = graphfuse_batch(*(c + ["--help"] for c in commands), ["--version"])
+    for cmd, done in zip(commands, helped):
         assert done.returncode == 0 and done.stdout.startswith("usage: graphfuse " + " ".join(cmd)), (cmd, done.stdout[:80])
-    version = graphfuse("--version")
     assert version.returncode == 0 and re.match(r"graphfuse \d+\.\d+\.\d+ \(torch 2\.", version.stdout), version.stdout
     script_help = subprocess.run([str(Path(sys.executable).parent / "graphfuse"), "--help"], capture_output=True, text=True)
     assert script_help.returncode == 0 and all(c in script_help.stdout for c in ("trace", "inspect", "report", "demo", "ckpt"))
@@ -215,8 +215,7 @@ def test_a_factory_that_raises_is_a_one_line_failure(factory, tmp_path):
 
 
 def test_bad_demo_arguments_are_one_line():
-    assert_one_line_error(graphfuse("demo", "--world-size", "0"), 2, "--world-size", "must be >= 1")
-    options = [("--steps", "1"), ("--d-model", "30"), ("--bucket-mb", "0"), ("--layers", "two")]
+    options = [("--world-size", "0"), ("--steps", "1"), ("--d-model", "30"), ("--bucket-mb", "0"), ("--layers", "two")]
     for option, done in zip(options, graphfuse_batch(*(["demo", *o] for o in options))):
         assert_one_line_error(done, 2, option[0])
 
