@@ -96,12 +96,10 @@ def memory_facts(program: Program) -> list[dict]:
     layout, inputs = program.layout, program.signature.inputs
     params = sum(b.nbytes for b in layout.buckets)
     unpadded = sum(s.numel * itemsize(b.dtype) for b in layout.buckets for s in b.slots)
-    shards = [s for s in inputs if s.role == sig.SHARD]
+    shards = [s for s in inputs if s.role == sig.SHARD]  # "bucket<b>.<state>", in the state's own dtype
     state = sum(_nbytes(program.inputs_meta[s.name]) for s in shards)
-    states_per_param = Counter(s.name.split(".", 1)[0] for s in shards)
-    unsharded_state = sum(
-        states_per_param[b.name] * sum(s.numel for s in b.slots) * itemsize(b.dtype) for b in layout.buckets
-    )
+    data = {b.name: sum(s.numel for s in b.slots) for b in layout.buckets}
+    unsharded_state = sum(data[s.name.split(".", 1)[0]] * itemsize(program.inputs_meta[s.name].dtype) for s in shards)
     grads_kept = sum(b.shard_size * itemsize(b.dtype) for b in layout.buckets)
     row = {
         "params": params, "params_unsharded": unpadded,
