@@ -1,10 +1,12 @@
 """`graphfuse demo`: train a small GPT on several ranks with graphfuse, check it against an
-eager data-parallel run, save and reload both checkpoint modes, and print a short report."""
+eager data-parallel run, save and reload both checkpoint modes, and print a short report;
+it says what it is doing as it goes, and removes its temporary directory at the end."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 
@@ -12,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import graphfuse as gf
-from graphfuse.launch import run_ranks
+from graphfuse.cli.args import CliFailure
+from graphfuse.launch import RankFailure, run_ranks
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 from graphfuse.passes._graph import count_targets
 
@@ -59,14 +62,58 @@ def _graphfuse_run(cfg, batches, device, warmup, strategy, progress=None):
     return dm, opt, sched
 
 
-def _train(dm, sched, batches, on_step=None) -> list[float]:
-    losses = []
+def _say(rank: int, text: str) -> None:
+    """Rank 0 says what it is doing, at once (the other ranks do the same work in step)."""
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def _train(dm, sched, batches, on_step=None) -> tuple[list[float], list[float]]:
+    """(losses, seconds of each step)."""
+    losses, seconds = [], []
     for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
         losses.append(dm(batch).item())
+        seconds.append(time.perf_counter() - t0)
         sched.step()
         if on_step:
             on_step(i, losses[-1])
-    return losses
+    return losses, seconds
+
+
+def _train_with_bar(rank: int, dm, sched, batches) -> tuple[list[float], list[float]]:
+    if rank != 0:
+        return _train(dm, sched, batches)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
+               TimeElapsedColumn())
+    with Progress(*columns, refresh_per_second=10) as bar:
+        task = bar.add_task("train", total=len(batches), loss=float("nan"))
+        return _train(dm, sched, batches, lambda i, loss: bar.update(task, advance=1, loss=loss))
+
+
+def _checkpoint_round_trips(rank, cfg, batches, device, warmup, strategy, losses, out_dir) -> dict[str, bool]:
+    """For both modes: train half the steps, save, reload into a freshly built (differently
+    initialised) model, replay the second half; whether the losses equal the first run's bit for bit."""
+    half = len(batches) // 2
+    results = {}
+    for mode in ("unbalanced", "balanced"):
+        path = os.path.join(out_dir, f"ckpt-{mode}")
+        _say(rank, f"checkpoint {mode}: training {half} steps, saving to {path}")
+        dm1, _, s1 = _graphfuse_run(cfg, batches, device, warmup, strategy)
+        _train(dm1, s1, batches[:half])
+        gf.save(dm1, path, mode=mode, extra={"scheduler": s1.state_dict()})
+        _say(rank, f"checkpoint {mode}: loading into a freshly built model, resuming {len(batches) - half} steps")
+        model2 = _fresh(cfg, device, seed=1)
+        opt2 = _optimizer(model2)
+        s2 = _scheduler(opt2, warmup)
+        dm2 = gf.compile(model2, opt2, gpt_loss, batches[0], strategy=strategy)
+        extra = gf.load(dm2, path)
+        s2.load_state_dict(extra["scheduler"])
+        resumed, _ = _train(dm2, s2, batches[half:])
+        results[mode] = resumed == losses[half:]
+    return results
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace, out_dir: str) -> dict | None:
@@ -80,43 +127,16 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, out_dir: str) ->
     warmup = max(1, args.steps // 5)
     strategy = gf.Strategy(bucket_size_mb=args.bucket_mb, compile=args.compile)
 
+    _say(rank, f"{world} ranks up; eager data-parallel reference: {args.steps} steps")
     ref = _eager_reference(cfg, batches, device, warmup)
+    _say(rank, "tracing the training step and rewriting it (gf.compile)")
     t0 = time.perf_counter()
     dm, opt, sched = _graphfuse_run(cfg, batches, device, warmup, strategy)
-    compile_s = time.perf_counter() - t0
-
-    bar = None
-    if rank == 0:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        bar = Progress(TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.4f}"), TimeElapsedColumn())
-        task = bar.add_task("train", total=args.steps, loss=float("nan"))
-        bar.start()
-    t0 = time.perf_counter()
-    try:
-        losses = _train(dm, sched, batches, (lambda i, loss: bar.update(task, advance=1, loss=loss)) if bar else None)
-    finally:
-        if bar:
-            bar.stop()
-    step_s = (time.perf_counter() - t0) / args.steps
-
-    # Checkpoints: save after half the steps, reload into a freshly built (differently
-    # initialised) model, replay the second half and compare losses bit for bit.
-    half = args.steps // 2
-    ckpt_results = {}
-    for mode in ("unbalanced", "balanced"):
-        dm1, _, s1 = _graphfuse_run(cfg, batches, device, warmup, strategy)
-        _train(dm1, s1, batches[:half])
-        path = os.path.join(out_dir, f"ckpt-{mode}")
-        gf.save(dm1, path, mode=mode, extra={"scheduler": s1.state_dict()})
-        model2 = _fresh(cfg, device, seed=1)
-        opt2 = _optimizer(model2)
-        s2 = _scheduler(opt2, warmup)
-        dm2 = gf.compile(model2, opt2, gpt_loss, batches[0], strategy=strategy)
-        extra = gf.load(dm2, path)
-        s2.load_state_dict(extra["scheduler"])
-        resumed = _train(dm2, s2, batches[half:])
-        ckpt_results[mode] = resumed == losses[half:]
+    trace_s = time.perf_counter() - t0
+    if args.compile == "inductor":
+        _say(rank, "the first step compiles the program with inductor (a minute or so on CPU)")
+    losses, seconds = _train_with_bar(rank, dm, sched, batches)
+    ckpt_results = _checkpoint_round_trips(rank, cfg, batches, device, warmup, strategy, losses, out_dir)
 
     local_state = sum(t.numel() * t.element_size() for n, t in dm.tensors.items() if "." in n and n.startswith("bucket"))
     states = [None] * world
@@ -126,8 +146,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, out_dir: str) ->
     if rank != 0:
         return None
     n_states = len(dm.program.optim.groups[0].state_names)
-    unsharded = sum(p.numel() * p.element_size() for p in dm.model.parameters()) * n_states
     counts = count_targets(dm.program)
+    steady = seconds[1:] or seconds  # the first step also compiles (inductor) and warms up
     return {
         "world_size": world,
         "device": str(device),
@@ -136,11 +156,13 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, out_dir: str) ->
         "reduce_scatter": counts.get("_c10d_functional.reduce_scatter_tensor", 0),
         "all_gather": counts.get("_c10d_functional.all_gather_into_tensor", 0),
         "state_bytes": states,
-        "unsharded_state_bytes": unsharded,
+        "unsharded_state_bytes": sum(p.numel() * p.element_size() for p in dm.model.parameters()) * n_states,
         "losses": losses,
         "reference": ref,
-        "compile_s": compile_s,
-        "step_s": step_s,
+        "trace_s": trace_s,
+        "first_step_s": seconds[0],
+        "step_s": sum(steady) / len(steady),
+        "compile": args.compile,
         "checkpoints": {m: all(r[m] for r in ckpt_ok) for m in ckpt_results},
     }
 
@@ -149,9 +171,11 @@ def _report(r: dict) -> bool:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(soft_wrap=True)  # long lines stay whole in a pipe
     console.print(f"[bold]graphfuse demo[/bold]: GPT with {r['params']:,} parameters on {r['world_size']} ranks ({r['device']})")
-    console.print(f"compile {r['compile_s']:.2f} s, {r['step_s'] * 1000:.1f} ms per step")
+    first = "first step (inductor compiles in it)" if r["compile"] == "inductor" else "first step"
+    console.print(f"trace and rewrite {r['trace_s']:.2f} s; {first} {r['first_step_s']:.2f} s; "
+                  f"then {r['step_s'] * 1000:.1f} ms per step (mean of the other steps, compile excluded)")
     t = Table(title="buckets (in the order backward fills them)")
     for col in ("bucket", "params", "elements", "dtype", "param group"):
         t.add_column(col)
@@ -179,31 +203,62 @@ def _report(r: dict) -> bool:
     return max(diffs) < 1e-4 and all(r["checkpoints"].values())
 
 
+def _out_dir(args: argparse.Namespace) -> tuple[str, bool]:
+    """(where the checkpoints go, whether it is a temporary directory to remove at the end)."""
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        return args.out, False
+    return tempfile.mkdtemp(prefix="graphfuse-demo-"), True
+
+
+def _under_torchrun(args: argparse.Namespace) -> int:
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    made = None
+    try:
+        shared = [_out_dir(args) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)  # every rank writes the same checkpoint
+        out_dir, temporary = shared[0]
+        made = out_dir if temporary and dist.get_rank() == 0 else None
+        result = _rank_main(dist.get_rank(), dist.get_world_size(), args, out_dir)
+        dist.barrier()  # every rank is done with the checkpoints before rank 0 removes them
+    finally:
+        dist.destroy_process_group()
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+    return 0 if result is None or _finish(result, out_dir, temporary) else 1
+
+
+def _finish(result: dict, out_dir: str, temporary: bool) -> bool:
+    ok = _report(result)
+    if temporary:
+        print(f"checkpoints were written to {out_dir} and removed (keep them with --out DIR)")
+    else:
+        print(f"checkpoints written to {os.path.join(out_dir, 'ckpt-unbalanced')} and {os.path.join(out_dir, 'ckpt-balanced')}")
+    return ok
+
+
 def run_demo(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        backend = "nccl" if args.device == "cuda" else "gloo"
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        try:
-            shared = [args.out or (tempfile.mkdtemp(prefix="graphfuse-demo-") if dist.get_rank() == 0 else None)]
-            dist.broadcast_object_list(shared, src=0)  # every rank writes the same checkpoint
-            result = _rank_main(dist.get_rank(), dist.get_world_size(), args, shared[0])
-        finally:
-            dist.destroy_process_group()
-        return 0 if result is None or _report(result) else 1
-    out_dir = args.out or tempfile.mkdtemp(prefix="graphfuse-demo-")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _under_torchrun(args)
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         raise gf.UnsupportedError(
             f"--device cuda --world-size {args.world_size} needs one GPU per rank; {torch.cuda.device_count()} visible"
         )
     backend = "nccl" if args.device == "cuda" else "gloo"
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    out_dir, temporary = _out_dir(args)
+    print(f"graphfuse demo: starting {args.world_size} ranks ({backend}, {args.device}); checkpoints go to {out_dir}", flush=True)
     try:
         results = run_ranks(_rank_main, args.world_size, args, out_dir, backend=backend, threads=threads, timeout=3600)
-    except AssertionError as e:
-        print(f"graphfuse demo: a rank failed: {e}")
-        return 1
-    return 0 if _report(results[0]) else 1
+    except RankFailure as e:
+        last = e.traceback.strip().splitlines()[-1] if e.traceback.strip() else str(e)
+        raise CliFailure(f"rank {e.rank} failed: {last} (rerun with --debug for its traceback)") from e
+    finally:
+        if temporary:
+            shutil.rmtree(out_dir, ignore_errors=True)
+    return 0 if _finish(results[0], out_dir, temporary) else 1

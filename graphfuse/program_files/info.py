@@ -34,7 +34,7 @@ def cli_info(path: str, code: bool = False) -> int:
         t.add_row(name, str(n))
     console.print(t)
     if code:
-        console.print(program.graph_module.code, markup=False, highlight=False)
+        print(program.graph_module.print_readable(print_output=False), end="")  # valid Python, never wrapped
     return 0
 
 

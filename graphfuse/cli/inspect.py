@@ -1,0 +1,178 @@
+"""`graphfuse inspect PATH`: a program's (or a checkpoint's) buckets, collectives, memory and
+passes, as tables, as JSON (`--json`) or as the program's Python code (`--code`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+import graphfuse as gf
+from graphfuse.cli.args import UsageError, existing
+from graphfuse.cli.facts import owners_text, program_facts, slices_text
+from graphfuse.cli.trace import TRACE_FILE, read_trace
+from graphfuse.passes.verify import fake_values
+from graphfuse.program import Program
+from graphfuse.program_files.files import MANIFEST
+
+CHECKPOINT_MARKS = ("graphfuse.json", ".metadata")
+
+
+def wide_console() -> Console:
+    """A console that never cuts or folds a cell: as wide as a row needs, in a pipe too (a
+    terminal narrower than a row wraps it, which loses nothing)."""
+    return Console(width=max(shutil.get_terminal_size().columns, 100_000), highlight=False, soft_wrap=True)
+
+
+def kind_of(path: Path) -> str:
+    """What `path` holds, told by its contents: "trace", "program" or "checkpoint"."""
+    if path.is_dir():
+        if (path / TRACE_FILE).is_file():
+            return "trace"
+        if (path / MANIFEST).is_file():
+            return "program"
+        if any((path / m).is_file() for m in CHECKPOINT_MARKS):
+            return "checkpoint"
+    raise UsageError(
+        f"{path}: not a program directory ({MANIFEST}), a `graphfuse trace` output ({TRACE_FILE}) "
+        f"or a checkpoint ({' or '.join(CHECKPOINT_MARKS)})"
+    )
+
+
+def load(path: str, rank: int | None) -> tuple[Program, dict]:
+    """The program at `path` (a program directory, or rank `rank` of a trace output) and its facts."""
+    where = existing(path)
+    kind = kind_of(where)
+    if kind == "checkpoint":
+        raise UsageError(f"{path}: is a checkpoint; this command draws programs (graphfuse inspect reads both)")
+    trace, program_dir = None, where
+    if kind == "trace":
+        trace = read_trace(where)
+        rank = 0 if rank is None else rank
+        program_dir = where / f"rank{rank}"
+        if str(rank) not in trace["ranks"] or not program_dir.is_dir():
+            saved = ", ".join(sorted(trace["ranks"])) or "none"
+            raise UsageError(f"{path}: holds no program of rank {rank} (saved: {saved}); trace with --rank {rank} or --all-ranks")
+    elif (parent := read_trace(where.parent)) is not None and where.name.startswith("rank"):
+        trace = parent  # a program directory inside a trace output: its statistics are beside it
+    program = with_values(gf.load_program(program_dir))
+    if rank is not None and rank != program.rank:
+        raise UsageError(f"{path}: is the program of rank {program.rank}, not {rank}")
+    stats = trace["ranks"].get(str(program.rank)) if trace else None
+    return program, program_facts(program, str(program_dir), stats)
+
+
+def with_values(program: Program) -> Program:
+    """`program` with every node's fake value in its meta (a saved program keeps only some):
+    the collectives' sizes and the shapes `--code` prints come from them."""
+    for node, val in fake_values(program).items():
+        node.meta.setdefault("val", val)
+    program.graph_module.recompile()
+    return program
+
+
+def run_inspect(args) -> int:
+    where = existing(args.path)
+    if kind_of(where) == "checkpoint":
+        from graphfuse import checkpoint_cli
+
+        return checkpoint_cli.cli_info(args.path, verify=not args.no_verify, as_json=args.json)
+    program, facts = load(args.path, args.rank)
+    if args.code:
+        print(code_text(program, facts), end="")
+    elif args.json:
+        print(json.dumps(facts, indent=1))
+    else:
+        print_facts(wide_console(), facts)
+    return 0
+
+
+def code_text(program: Program, facts: dict) -> str:
+    """The program as Python that parses (FX's print_readable: every value annotated with its
+    shape), after comments naming each bucket input's parameters and their elements."""
+    lines = [f"# graphfuse program: rank {program.rank} of {program.world_size}, layout {facts['layout']['fingerprint']}"]
+    for b in facts["buckets"]:
+        lines.append(f"# bucket_{b['name']} ({b['dtype']}[{b['elements']}]): "
+                     + ", ".join(f"{p['fqn']} [{p['offset']}, {p['offset'] + p['elements']})" for p in b["params"]))
+    lines.append("import torch\n\n")
+    return "\n".join(lines) + program.graph_module.print_readable(print_output=False)
+
+
+def _table(title: str, *cols: str, right: tuple[str, ...] = ()) -> Table:
+    t = Table(title=title, title_justify="left")
+    for c in cols:
+        t.add_column(c, justify="right" if c in right else "left", no_wrap=True)
+    return t
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def print_facts(console: Console, f: dict) -> None:
+    console.print(f"[bold]{f['path']}[/bold]: rank {f['rank']} of {f['world_size']}, optimizer {f['optimizer']}, "
+                  f"process group {f['group_name'] or '-'}, layout {f['layout']['fingerprint']}")
+    for table in (nodes_table(f), *bucket_tables(f), collectives_table(f), memory_table(f), passes_table(f)):
+        console.print(table)
+
+
+def nodes_table(f: dict) -> Table:
+    before, after = f["nodes"]["before_passes"], f["nodes"]["after_passes"]
+    t = _table(f"operator nodes by phase ({f['nodes']['total']} nodes in all)", "phase", "before passes", "after passes",
+               right=("before passes", "after passes"))
+    for phase in sorted(set(after) | set(before or {})):
+        t.add_row(phase, "?" if before is None else str(before.get(phase, 0)), str(after.get(phase, 0)))
+    if before is None:
+        t.caption = "before passes: known only for a `graphfuse trace` output"
+    return t
+
+
+def bucket_tables(f: dict) -> list[Table]:
+    out = []
+    for b in f["buckets"]:
+        t = _table(f"{b['name']}: {b['dtype']}, param group {b['group']}, {b['elements']:,} elements ({b['bytes']:,} B), "
+                   f"{b['shard_elements']:,} per rank's shard, {b['padding']:,} padding",
+                   "parameter", "shape", "offset", "elements", "padding", "owners", "slice@ per rank (param elements)",
+                   right=("offset", "elements", "padding"))
+        for p in b["params"]:
+            t.add_row(p["fqn"], "×".join(map(str, p["shape"])) or "scalar", f"{p['offset']:,}", f"{p['elements']:,}",
+                      f"{p['padding']:,}", owners_text(p), slices_text(p))
+        out.append(t)
+    return out
+
+
+def collectives_table(f: dict) -> Table:
+    t = _table("collectives in issue order (node index and fraction of the step)", "#", "op", "bucket", "bytes",
+               "issued", "waited", right=("#", "bytes"))
+    for i, c in enumerate(f["collectives"]):
+        t.add_row(str(i), c["op"], c["bucket"] or "-", "-" if c["bytes"] is None else f"{c['bytes']:,}",
+                  f"{c['issued']} ({_pct(c['issued_at'])})",
+                  "-" if c["waited"] is None else f"{c['waited']} ({_pct(c['waited_at'])})")
+    if not f["collectives"]:
+        t.caption = "none: at world size 1 nothing is communicated"
+    return t
+
+
+def memory_table(f: dict) -> Table:
+    t = _table("bytes per rank (sharded) vs every rank holding everything (unsharded)", "rank", "parameters",
+               "gradients (step / kept)", "optimizer state", right=("parameters", "gradients (step / kept)", "optimizer state"))
+    for m in f["memory"]:
+        t.add_row(str(m["rank"]), f"{m['params']:,}", f"{m['grads']:,} / {m['grads_after_reduce_scatter']:,}",
+                  f"{m['optimizer_state']:,}")
+    m = f["memory"][0]
+    t.add_row("unsharded", f"{m['params_unsharded']:,}", f"{m['grads_unsharded']:,}", f"{m['optimizer_state_unsharded']:,}")
+    return t
+
+
+def passes_table(f: dict) -> Table:
+    t = _table("passes in the order they ran", "pass", "nodes added", "nodes removed", "collectives added", "seconds",
+               right=("nodes added", "nodes removed", "collectives added", "seconds"))
+    for p in f["passes"]:
+        t.add_row(p["name"], *(str(p[k]) if k in p else "?" for k in ("nodes_added", "nodes_removed", "collectives_added")),
+                  f"{p['seconds']:.3f}" if "seconds" in p else "?")
+    if any("seconds" not in p for p in f["passes"]):
+        t.caption = "?: program files keep the passes' names only; a `graphfuse trace` output keeps their statistics"
+    return t

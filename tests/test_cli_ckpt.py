@@ -1,0 +1,83 @@
+"""`graphfuse ckpt info`, `graphfuse inspect CHECKPOINT` and `graphfuse ckpt convert` in a
+subprocess, on a small checkpoint: damage is found and named, wrong field types are one line,
+an existing destination is refused before any work, and keys are printed whole in a pipe."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from test_cli import assert_one_line_error, graphfuse_batch
+from torch import nn
+
+import graphfuse as gf
+from graphfuse.checkpoint.record import _seal
+
+
+def _loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """An unbalanced checkpoint of a model with long parameter names, at world size 1."""
+    root = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("an_unusually_long_module_name_that_a_table_would_cut", nn.Linear(8, 8))
+    model.add_module("head", nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = (torch.randn(4, 8), torch.randn(4, 2))
+    dm = gf.compile(model, opt, _loss, batch, strategy=gf.Strategy(bucket_size_mb=0.0005, align_bytes=64))
+    dm(batch)
+    gf.save(dm, root / "unbalanced", mode="unbalanced")
+    return root / "unbalanced"
+
+
+def _copy(saved, tmp_path):
+    return shutil.copytree(saved, tmp_path / "copy")
+
+
+def test_info_checks_every_file_and_prints_keys_whole(saved, tmp_path):
+    bad = _copy(saved, tmp_path)
+    data = sorted(bad.glob("*.distcp"))[0]
+    with open(data, "r+b") as f:
+        f.truncate(100)
+    ok, cut, unverified, as_json = graphfuse_batch(["ckpt", "info", str(saved)], ["ckpt", "info", str(bad)],
+                                                   ["ckpt", "info", str(bad), "--no-verify"], ["inspect", str(bad), "--json"])
+    assert ok.returncode == 0, ok.stderr
+    keys = json.loads(as_json.stdout)["tensors"]
+    long_keys = [k["key"] for k in keys if "an_unusually_long_module_name" in k["key"]]
+    assert long_keys and all(re.search(rf"│ {re.escape(k)} +│", ok.stdout) for k in long_keys)
+    assert "ok (size and CRC-32)" in ok.stdout
+    assert_one_line_error(cut, 1, data.name, "100 bytes", "cut short", "damaged")
+    assert unverified.returncode == 0 and "not verified" in unverified.stdout
+    assert as_json.returncode == 1
+    damaged = [f for f in json.loads(as_json.stdout)["files"] if f["damage"]]
+    assert [(f["file"], f["bytes"]) for f in damaged] == [(data.name, 100)]
+
+
+@pytest.mark.parametrize("field, value", [("world_size", "two"), ("steps", "many"), ("files", 3)])
+def test_a_record_with_wrong_types_is_one_line(saved, tmp_path, field, value):
+    bad = _copy(saved, tmp_path)
+    record = json.loads((bad / "graphfuse.json").read_text())
+    record.pop("crc32")
+    record[field] = value
+    record["crc32"] = _seal(record)  # sealed again: only the type is wrong
+    (bad / "graphfuse.json").write_text(json.dumps(record))
+    (done,) = graphfuse_batch(["ckpt", "info", str(bad)])
+    assert_one_line_error(done, 2, "graphfuse.json", field)
+
+
+def test_convert_refuses_an_existing_destination_before_any_work(saved, tmp_path):
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "mine.txt").write_text("keep me")
+    exists, fresh = graphfuse_batch(["ckpt", "convert", str(saved), str(tmp_path / "dst")],
+                                    ["ckpt", "convert", str(saved), str(tmp_path / "fresh")])
+    assert_one_line_error(exists, 2, "exists", "nothing was written")
+    assert exists.stdout == ""  # not even "reading..."
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "fresh"]  # no dst.saving left
+    assert (tmp_path / "dst" / "mine.txt").read_text() == "keep me"
+    assert fresh.returncode == 0 and "wrote balanced checkpoint" in fresh.stdout, fresh.stderr
