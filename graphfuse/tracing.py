@@ -25,8 +25,8 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 
 def scalar_example(name: str) -> torch.Tensor:
     """The example of a per-step host scalar input: a 0-d float64, as torch.optim computes its
-    scalars in Python doubles, except `first` (is this the first step), a bool."""
-    return torch.zeros((), dtype=torch.bool if name == "first" else torch.float64)
+    scalars in Python doubles, except flags that select a branch (SGD's `first`), bools."""
+    return torch.zeros((), dtype=torch.bool if name in gopt.BOOL_SCALARS else torch.float64)
 
 
 def placeholder_name(spec: sig.InputSpec) -> str:
