@@ -19,10 +19,11 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
-from graphfuse.errors import UnsupportedError
+from graphfuse.errors import GraphfuseError, UnsupportedError
 from graphfuse.program import PassRun, Program
 from graphfuse.strategy import Strategy
 from graphfuse.tracing import (
+    ConstantValues,
     fake_examples,
     name_placeholders,
     scalar_example,
@@ -61,11 +62,11 @@ def program_batch_key(program: Program) -> tuple:
 
 
 @contextlib.contextmanager
-def presenting_as_compiling() -> Iterator[None]:
-    """Make `torch.compiler.is_compiling()` true, as models written for torch.compile expect;
-    they then skip data-dependent checks that fake tensors cannot answer."""
+def presenting_as_compiling(on: bool = True) -> Iterator[None]:
+    """Make `torch.compiler.is_compiling()` return `on`: true as models written for
+    torch.compile expect; they then skip data-dependent checks that fake tensors cannot answer."""
     old = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
+    torch.compiler._is_compiling_flag = on
     try:
         yield
     finally:
@@ -140,7 +141,7 @@ def capture(
     info = _ModelInfo(model, optimizer)
     batch = _Batch(example_batch, strategy.grad_accumulation)
     specs, examples = _step_inputs(info, batch)
-    traced = _trace(_step_function(model, loss_fn, info, batch), specs, examples)
+    traced = _trace_step(model, loss_fn, info, batch, specs, examples)
     loss, new_buffers, grads = _step_outputs(traced.graph, len(info.buffers))
     outputs = [(sig.OutputSpec(sig.LOSS, "loss"), loss)]
     outputs += _add_updates(traced.graph, info, dict(zip(info.trainable, grads)))
@@ -173,7 +174,7 @@ def _step_inputs(info: _ModelInfo, batch: _Batch) -> tuple[list[sig.InputSpec], 
     return [s for s, _ in inputs], [t for _, t in inputs]
 
 
-def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch) -> Callable:
+def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch, compiling: bool) -> Callable:
     """The step as a function of the inputs in `_step_inputs` order (the optimizer's states
     and scalars are passed and unused: the update is added per group afterwards), returning
     (loss, new buffers, gradients)."""
@@ -199,7 +200,7 @@ def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, 
         grads = total = None
         # torch.autograd.grad (as AOTAutograd's joint graph does), not torch.func.grad: functorch
         # decomposes some backward kernels (silu_backward) into ops that round differently.
-        with presenting_as_compiling(), torch.enable_grad():
+        with presenting_as_compiling(compiling), torch.enable_grad():
             for micro_batch in batch.micro_batches(list(flat[len(flat) - n_batch :])):
                 loss, buffers = loss_of(params, frozen, buffers, micro_batch)
                 g = _gradients(loss, params)
@@ -219,6 +220,45 @@ def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, 
     return step
 
 
+def _trace_step(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch, specs, examples) -> torch.fx.GraphModule:
+    """Trace the step on the path eager PyTorch takes: host reads of values computed from
+    constants are answered (ConstantValues) and `torch.compiler.is_compiling()` is false. A
+    step that reads a value depending on an input is traced again presenting as compiling,
+    as models written for torch.compile expect (they then skip such reads); that path may
+    differ from eager's (docs/models.md)."""
+    try:
+        return _trace(_step_function(model, loss_fn, info, batch, compiling=False), specs, examples)
+    except GraphfuseError:
+        raise
+    except Exception as e:  # noqa: BLE001 (any failure of the eager path: the compiling path decides)
+        log.info("graphfuse: tracing the step as eager runs it failed (%s); tracing it with "
+                 "torch.compiler.is_compiling() true", str(e).splitlines()[0] if str(e) else type(e).__name__)
+    try:
+        return _trace(_step_function(model, loss_fn, info, batch, compiling=True), specs, examples)
+    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
+        raise UnsupportedError(
+            f"the training step reads a tensor's value on the host{_where(e, model)} ({e}: .item(), float(t), int(t), "
+            "`if t:`, or an op whose output shape depends on values, such as nonzero); graphfuse traces "
+            "with fake tensors and cannot follow that. Keep such values as tensors (torch.where instead "
+            "of `if`), or guard the code with torch.compiler.is_compiling(), which is true while tracing"
+        ) from e
+
+
+def _where(error: BaseException, model: torch.nn.Module) -> str:
+    """` in module FQN (file:line)`: the innermost frame of the error's traceback that runs a
+    method of one of the model's modules, so a refusal names the model's code, not only the op."""
+    fqn_of = {id(m): fqn or "(the model)" for fqn, m in model.named_modules(remove_duplicate=False)}
+    found = ""
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in fqn_of:
+            code = tb.tb_frame.f_code
+            found = f" in module {fqn_of[id(owner)]} ({type(owner).__name__}.{code.co_name}, {code.co_filename}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return found
+
+
 def _trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tensor]) -> torch.fx.GraphModule:
     """make_fx of the functionalized step on fake tensors, placeholders named after `specs`."""
     fakes = fake_examples(FakeTensorMode(allow_non_fake_inputs=True), specs, examples)
@@ -226,15 +266,7 @@ def _trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tens
         if spec.role == sig.PARAM:
             fake.requires_grad_(True)
     t0 = time.perf_counter()
-    try:
-        traced = make_fx(_functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
-    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
-        raise UnsupportedError(
-            f"the training step reads a tensor's value on the host ({e}: .item(), float(t), int(t), "
-            "`if t:`, or an op whose output shape depends on values, such as nonzero); graphfuse traces "
-            "with fake tensors and cannot follow that. Keep such values as tensors (torch.where instead "
-            "of `if`), or guard the code with torch.compiler.is_compiling(), which is true while tracing"
-        ) from e
+    traced = make_fx(_functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
     log.debug("traced the step in %.2fs", time.perf_counter() - t0)
     name_placeholders(traced.graph, specs)
     return traced
@@ -312,7 +344,7 @@ def _functionalized(fn: Callable) -> Callable:
     hide from `fn`) sees its inputs' requires_grad."""
 
     def wrapped(*args):
-        with FunctionalTensorMode():
+        with ConstantValues(), FunctionalTensorMode():
             fargs = [FunctionalTensor.to_functional(a) for a in args]
             out = fn(*fargs)
         return pytree.tree_map_only(FunctionalTensor, FunctionalTensor.from_functional, out)

@@ -8,7 +8,10 @@ from collections.abc import Callable
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.weak import WeakIdKeyDictionary
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
@@ -68,3 +71,58 @@ def update_function(spec: gopt.GroupSpec) -> Callable:
         return [new_p, *(new_states[s] for s in spec.state_names)]
 
     return fn
+
+
+class ConstantValues(TorchDispatchMode):
+    """Real values, on the CPU, of the tensors the step computes from constants alone (factory
+    ops such as `arange`, and ops on such tensors), so that a read on the host of one of them
+    (`.item()`, `bool(t)`) returns what eager PyTorch reads instead of failing on a fake tensor.
+    The read becomes a constant of the traced program, which is exact: the value depends on no
+    input. Seeded random ops and tensors above MAX_NUMEL elements are not tracked."""
+
+    MAX_NUMEL = 1 << 22
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.real = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = pytree.arg_tree_leaves(*args, **kwargs)
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        known = all(t in self.real for t in tensors)
+        if func in _READS and known:
+            with _disable_current_modes():
+                return func(*pytree.tree_map_only(torch.Tensor, self.real.get, args), **kwargs)
+        out = func(*args, **kwargs)
+        outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if (
+            known
+            and torch.Tag.nondeterministic_seeded not in func.tags
+            and all(o.numel() <= self.MAX_NUMEL for o in outs)
+        ):
+            real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, self.real.get, (args, kwargs))
+            if isinstance(real_kwargs.get("device"), torch.device | str):
+                real_kwargs["device"] = torch.device("cpu")
+            with _disable_current_modes():
+                real_out = func(*real_args, **real_kwargs)
+            for o, r in zip(outs, [x for x in pytree.tree_leaves(real_out) if isinstance(x, torch.Tensor)], strict=True):
+                self.real[o] = r
+        elif func._schema.is_mutable:
+            self._forget_written(func, args, kwargs)
+        return out
+
+    def _forget_written(self, func, args, kwargs) -> None:
+        """An op wrote into a tracked tensor from untracked inputs: that tensor, and every
+        tracked view of its storage, no longer has a known value."""
+        written = []
+        for i, a in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(value, torch.Tensor) and value in self.real:
+                written.append(self.real[value].untyped_storage().data_ptr())
+        if written:
+            for t in [t for t, r in self.real.items() if r.untyped_storage().data_ptr() in written]:
+                del self.real[t]
+
+
+_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)

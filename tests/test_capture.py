@@ -261,6 +261,21 @@ def test_transformers_llama_with_frozen_layer_is_bitwise_equal_to_eager():
     assert "model.layers.0.mlp.up_proj.weight" in sig.names("frozen")
 
 
+def test_transformers_llama_without_cache_takes_eager_attention_path_bitwise():
+    """Issue 13, defect 1: with use_cache=False transformers checks position_ids (an arange)
+    for packed sequences on the host; capture answers that read from the constant's real
+    value, so SDPA runs with is_causal and enable_gqa as in eager, not with a mask and repeat_kv."""
+
+    def make():
+        model = tiny_llama()
+        model.config.use_cache = False
+        return model
+
+    dm = run_bitwise(make, adamw, hf_lm_loss, token_batches(4, seed=8))
+    sdpa = [n for n in dm.program.graph_module.graph.nodes if "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)]
+    assert sdpa and all(n.kwargs.get("is_causal") or (len(n.args) > 4 and n.args[4] is True) for n in sdpa), [n.format_node() for n in sdpa]
+
+
 def test_transformers_bert_is_bitwise_equal_to_eager():
     from transformers import BertConfig, BertForMaskedLM
 
