@@ -148,7 +148,19 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 # ---- one rank -----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(ZOO))
+# Known differences (docs/models.md, measured with tools in the doc): the loss is equal, step-1
+# gradients differ in the last bits, so parameters differ by up to ~1e-4 relative after one step.
+KNOWN_DIFFERENT = {
+    "gru": "nn.GRU on CPU: gradients differ from eager (rnn.weight_hh_l0 by 1e-5 relative after one AdamW step)",
+    "mixtral": "grouped_mm experts: fake tensors cannot run _grouped_mm's meta, the step is traced as compiling "
+    "and its gradients differ (experts.gate_up_proj by 9e-5 relative after one AdamW step)",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_DIFFERENT[n])) if n in KNOWN_DIFFERENT else n for n in ZOO],
+)
 def test_model_trains_bitwise_like_eager(name):
     make, loss_fn, batch_of = ZOO[name]
     torch.manual_seed(0)
