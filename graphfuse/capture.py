@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
@@ -23,11 +21,10 @@ from graphfuse.errors import GraphfuseError, UnsupportedError
 from graphfuse.program import PassRun, Program
 from graphfuse.strategy import Strategy
 from graphfuse.tracing import (
-    ConstantValues,
-    fake_examples,
-    name_placeholders,
+    module_of_error,
     scalar_example,
     tensor_meta,
+    trace,
     update_function,
 )
 
@@ -227,49 +224,20 @@ def _trace_step(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, bat
     as models written for torch.compile expect (they then skip such reads); that path may
     differ from eager's (docs/models.md)."""
     try:
-        return _trace(_step_function(model, loss_fn, info, batch, compiling=False), specs, examples)
+        return trace(_step_function(model, loss_fn, info, batch, compiling=False), specs, examples)
     except GraphfuseError:
         raise
     except Exception as e:  # noqa: BLE001 (any failure of the eager path: the compiling path decides)
-        log.info("graphfuse: tracing the step as eager runs it failed (%s); tracing it with "
-                 "torch.compiler.is_compiling() true", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.info("graphfuse: tracing the step as eager runs it failed (%r); tracing it as compiling", e)
     try:
-        return _trace(_step_function(model, loss_fn, info, batch, compiling=True), specs, examples)
+        return trace(_step_function(model, loss_fn, info, batch, compiling=True), specs, examples)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
         raise UnsupportedError(
-            f"the training step reads a tensor's value on the host{_where(e, model)} ({e}: .item(), float(t), int(t), "
+            f"the training step reads a tensor's value on the host{module_of_error(e, model)} ({e}: .item(), float(t), int(t), "
             "`if t:`, or an op whose output shape depends on values, such as nonzero); graphfuse traces "
             "with fake tensors and cannot follow that. Keep such values as tensors (torch.where instead "
             "of `if`), or guard the code with torch.compiler.is_compiling(), which is true while tracing"
         ) from e
-
-
-def _where(error: BaseException, model: torch.nn.Module) -> str:
-    """` in module FQN (file:line)`: the innermost frame of the error's traceback that runs a
-    method of one of the model's modules, so a refusal names the model's code, not only the op."""
-    fqn_of = {id(m): fqn or "(the model)" for fqn, m in model.named_modules(remove_duplicate=False)}
-    found = ""
-    tb = error.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if id(owner) in fqn_of:
-            code = tb.tb_frame.f_code
-            found = f" in module {fqn_of[id(owner)]} ({type(owner).__name__}.{code.co_name}, {code.co_filename}:{tb.tb_lineno})"
-        tb = tb.tb_next
-    return found
-
-
-def _trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tensor]) -> torch.fx.GraphModule:
-    """make_fx of the functionalized step on fake tensors, placeholders named after `specs`."""
-    fakes = fake_examples(FakeTensorMode(allow_non_fake_inputs=True), specs, examples)
-    for spec, fake in zip(specs, fakes):
-        if spec.role == sig.PARAM:
-            fake.requires_grad_(True)
-    t0 = time.perf_counter()
-    traced = make_fx(_functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
-    log.debug("traced the step in %.2fs", time.perf_counter() - t0)
-    name_placeholders(traced.graph, specs)
-    return traced
 
 
 def _step_outputs(graph: torch.fx.Graph, n_buffers: int) -> tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]:
@@ -336,20 +304,6 @@ def _trace_update(spec: gopt.GroupSpec, dtype: torch.dtype, device: str) -> torc
         if n.op == "call_function" and (tuple(val.shape) != shape or val.dtype != dtype):
             raise UnsupportedError(f"the {spec.kind} update is not elementwise: {n.format_node()} gives {val.shape} {val.dtype}")
     return graph
-
-
-def _functionalized(fn: Callable) -> Callable:
-    """`fn` under a FunctionalTensorMode, as AOTAutograd runs its joint graph: mutations become
-    out-of-place ops, views stay views, and autograd (which torch.func.functionalize would
-    hide from `fn`) sees its inputs' requires_grad."""
-
-    def wrapped(*args):
-        with ConstantValues(), FunctionalTensorMode():
-            fargs = [FunctionalTensor.to_functional(a) for a in args]
-            out = fn(*fargs)
-        return pytree.tree_map_only(FunctionalTensor, FunctionalTensor.from_functional, out)
-
-    return wrapped
 
 
 def _unchanged(out: torch.fx.Node, placeholder: torch.fx.Node) -> bool:

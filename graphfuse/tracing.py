@@ -3,19 +3,25 @@ graphfuse.backend): example inputs, fake tensors, placeholder names, the update 
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Callable
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.program import TensorMeta
+
+log = logging.getLogger("graphfuse")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -71,6 +77,48 @@ def update_function(spec: gopt.GroupSpec) -> Callable:
         return [new_p, *(new_states[s] for s in spec.state_names)]
 
     return fn
+
+
+def module_of_error(error: BaseException, model: torch.nn.Module) -> str:
+    """` in module FQN (file:line)`: the innermost frame of the error's traceback that runs a
+    method of one of the model's modules, so a refusal names the model's code, not only the op."""
+    fqn_of = {id(m): fqn or "(the model)" for fqn, m in model.named_modules(remove_duplicate=False)}
+    found = ""
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in fqn_of:
+            code = tb.tb_frame.f_code
+            found = f" in module {fqn_of[id(owner)]} ({type(owner).__name__}.{code.co_name}, {code.co_filename}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return found
+
+
+def trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tensor]) -> torch.fx.GraphModule:
+    """make_fx of the functionalized step on fake tensors, placeholders named after `specs`."""
+    fakes = fake_examples(FakeTensorMode(allow_non_fake_inputs=True), specs, examples)
+    for spec, fake in zip(specs, fakes):
+        if spec.role == sig.PARAM:
+            fake.requires_grad_(True)
+    t0 = time.perf_counter()
+    traced = make_fx(functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
+    log.debug("traced the step in %.2fs", time.perf_counter() - t0)
+    name_placeholders(traced.graph, specs)
+    return traced
+
+
+def functionalized(fn: Callable) -> Callable:
+    """`fn` under a FunctionalTensorMode, as AOTAutograd runs its joint graph: mutations become
+    out-of-place ops, views stay views, and autograd (which torch.func.functionalize would
+    hide from `fn`) sees its inputs' requires_grad."""
+
+    def wrapped(*args):
+        with ConstantValues(), FunctionalTensorMode():
+            fargs = [FunctionalTensor.to_functional(a) for a in args]
+            out = fn(*fargs)
+        return pytree.tree_map_only(FunctionalTensor, FunctionalTensor.from_functional, out)
+
+    return wrapped
 
 
 class ConstantValues(TorchDispatchMode):
