@@ -240,3 +240,54 @@ def test_changing_sgd_options_after_compile_is_refused(key, value):
     with pytest.raises(gf.UnsupportedError, match=f"param group 0: {key} changed"):
         dm(mlp_batches(1)[0])
     assert_untouched(model, before)
+
+
+class ReadsConstant(nn.Module):
+    """Host reads of values computed from shapes alone, as transformers' masking code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.compiler.is_compiling())
+        positions = torch.arange(x.shape[0]).unsqueeze(0)
+        scale = float(positions[:, -1].sum()) + 1.0  # read on the host: 5.0 for 5 rows
+        if bool((torch.diff(positions, dim=-1) == 1).all()):
+            scale = scale * 2
+        return self.lin(x) * scale
+
+
+def test_host_read_of_a_value_computed_from_constants_is_answered_as_eager_reads_it():
+    torch.manual_seed(0)
+    m_eager = ReadsConstant()
+    m_gf = copy.deepcopy(m_eager)
+    o_eager = torch.optim.AdamW(m_eager.parameters(), lr=1e-2, foreach=False)
+    dm = gf.compile(m_gf, torch.optim.AdamW(m_gf.parameters(), lr=1e-2), lambda m, b: m(b).square().mean(), torch.randn(5, 4))
+    assert m_gf.seen == [False], "traced once, as eager runs it"
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        o_eager.zero_grad()
+        loss = m_eager(x).square().mean()
+        loss.backward()
+        o_eager.step()
+        assert torch.equal(dm(x), loss.detach())
+    assert_same_state(m_eager, o_eager, m_gf, dm, "constant reads")
+
+
+class OverwritesConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.zeros(4)
+        c.add_(x.sum(0))  # from here on c depends on the batch: its value is no longer known
+        return self.lin(x) * (2.0 if bool(c.sum() > 0) else 1.0)
+
+
+def test_host_read_of_a_constant_overwritten_by_an_input_is_refused():
+    model = OverwritesConstant()
+    with pytest.raises(gf.UnsupportedError, match=r"reads a tensor's value on the host in module \(the model\)"):
+        gf.compile(model, torch.optim.SGD(model.parameters(), lr=1e-3), lambda m, b: m(b).sum(), torch.randn(5, 4))
