@@ -130,7 +130,7 @@ ZOO = {
     "bert": (lambda: _hf("BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32), lm_loss, tokens),
     "t5": (lambda: _hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64,
-                       num_layers=2, num_heads=4, decoder_start_token_id=0, use_cache=False), lm_loss, seq2seq_tokens),
+                       num_layers=1, num_heads=4, decoder_start_token_id=0, use_cache=False), lm_loss, seq2seq_tokens),
     "bart": (lambda: _hf("BartForConditionalGeneration", "BartConfig", vocab_size=VOCAB, d_model=32, encoder_layers=1,
                          decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
                          decoder_ffn_dim=64, max_position_embeddings=32, use_cache=False), lm_loss, seq2seq_tokens),
@@ -151,7 +151,8 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 # Known differences (docs/models.md, measured with tools in the doc): the loss is equal, step-1
 # gradients differ in the last bits, so parameters differ by up to ~1e-4 relative after one step.
 KNOWN_DIFFERENT = {
-    "gru": "nn.GRU on CPU: gradients differ from eager (rnn.weight_hh_l0 by 1e-5 relative after one AdamW step)",
+    "gru": "nn.GRU on CPU: functionalized in-place gate ops give contiguous results where eager's are strided views, "
+    "and CPU sigmoid rounds by layout (rnn.weight_hh_l0 1e-5 relative after one AdamW step)",
     "mixtral": "grouped_mm experts: torch's meta for _grouped_mm takes only bfloat16, so the step is traced as "
     "compiling, where transformers uses its grouped_mm_fallback (experts.gate_up_proj 9e-5 relative after one step)",
 }
