@@ -113,3 +113,42 @@ def test_changing_a_baked_rmsprop_option_is_refused():
     optimizer.param_groups[0]["alpha"] = 0.5
     with pytest.raises(gf.UnsupportedError, match="param group 0: alpha changed from 0.99 to 0.5"):
         dm(mlp_batches(1)[0])
+
+
+DP_OPTIMIZERS = ("nadam_decoupled", "rmsprop_centered_momentum", "radam")
+
+
+def _data_parallel(rank: int, world: int, names: tuple[str, ...]) -> dict:
+    """Each optimizer on an MLP trained by graphfuse (small buckets, so shards cross parameter
+    boundaries) and by an eager replica averaging gradients with all_reduce(AVG)."""
+    import copy
+
+    import torch.distributed as dist
+
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        m_ref = MLP()
+        m_gf = copy.deepcopy(m_ref)
+        o_ref = OPTIMIZERS[name](m_ref)
+        batches = mlp_batches(STEPS, seed=10 + rank)
+        dm = gf.compile(m_gf, OPTIMIZERS[name](m_gf), mlp_loss, batches[0], strategy=gf.Strategy(bucket_size_mb=0.002))
+        equal = len(dm.layout.buckets) > 1
+        for batch in batches:
+            o_ref.zero_grad()
+            loss = mlp_loss(m_ref, batch)
+            loss.backward()
+            for p in m_ref.parameters():
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            o_ref.step()
+            equal &= torch.equal(loss.detach(), dm(batch))
+        ref = dict(m_ref.named_parameters())
+        out[name] = equal and all(torch.equal(p, ref[n]) for n, p in m_gf.named_parameters())
+    return out
+
+
+def test_optimizers_at_two_ranks_are_bitwise_like_eager_data_parallel():
+    from distributed import run_ranks
+
+    results = run_ranks(_data_parallel, 2, DP_OPTIMIZERS, timeout=180)
+    assert results == [dict.fromkeys(DP_OPTIMIZERS, True)] * 2, results
