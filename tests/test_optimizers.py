@@ -152,3 +152,14 @@ def test_optimizers_at_two_ranks_are_bitwise_like_eager_data_parallel():
 
     results = run_ranks(_data_parallel, 2, DP_OPTIMIZERS, timeout=180)
     assert results == [dict.fromkeys(DP_OPTIMIZERS, True)] * 2, results
+
+
+def test_every_optimizer_update_can_be_saved_in_a_program_file():
+    """Each update's ops are in the program files' op allowlist."""
+    from graphfuse.program_files.ops import target_name
+
+    for name, make in OPTIMIZERS.items():
+        model = MLP()
+        program = gf.capture(model, make(model), mlp_loss, mlp_batches(1)[0])
+        missing = {str(n.target) for n in program.graph.nodes if n.op == "call_function" and target_name(n.target) is None}
+        assert not missing, f"{name}: ops outside the allowlist: {missing}"
