@@ -163,3 +163,26 @@ def test_every_optimizer_update_can_be_saved_in_a_program_file():
         program = gf.capture(model, make(model), mlp_loss, mlp_batches(1)[0])
         missing = {str(n.target) for n in program.graph.nodes if n.op == "call_function" and target_name(n.target) is None}
         assert not missing, f"{name}: ops outside the allowlist: {missing}"
+
+
+@pytest.mark.parametrize(("name", "mode"), [("nadam", "balanced"), ("adagrad", "unbalanced"), ("radam", "balanced")])
+def test_training_resumed_from_a_checkpoint_continues_bitwise(name, mode, tmp_path):
+    """The host-computed per-step values (NAdam's mu_product, Adagrad's decayed lr, RAdam's
+    rectification) come back from the saved step count: a resumed run equals an unbroken one."""
+    batches = mlp_batches(6)
+
+    def compiled():
+        torch.manual_seed(0)
+        model = MLP()
+        return model, gf.compile(model, OPTIMIZERS[name](model), mlp_loss, batches[0])
+
+    model_a, dm_a = compiled()
+    for batch in batches[:3]:
+        dm_a(batch)
+    gf.save(dm_a, tmp_path / "ckpt", mode=mode)
+    model_b, dm_b = compiled()
+    gf.load(dm_b, tmp_path / "ckpt")
+    assert dm_b.steps == dm_a.steps == [3, 3]
+    for batch in batches[3:]:
+        assert torch.equal(dm_a(batch), dm_b(batch))
+    assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True))
