@@ -162,13 +162,16 @@ KNOWN_DIFFERENT = {
     "name",
     [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_DIFFERENT[n])) if n in KNOWN_DIFFERENT else n for n in ZOO],
 )
-def test_model_trains_bitwise_like_eager(name):
+def test_model_trains_bitwise_like_eager(name, caplog):
     make, loss_fn, batch_of = ZOO[name]
     torch.manual_seed(0)
     m_eager = make()
     m_gf = copy.deepcopy(m_eager)
     o_eager, o_gf = adamw(m_eager), adamw(m_gf)
-    dm = gf.compile(m_gf, o_gf, loss_fn, batch_of(0, 0))
+    with caplog.at_level("INFO", logger="graphfuse"):
+        dm = gf.compile(m_gf, o_gf, loss_fn, batch_of(0, 0))
+    fallback = [r.getMessage() for r in caplog.records if "tracing it as compiling" in r.getMessage()]
+    assert not fallback, f"{name} was not traced on eager's path: {fallback}"
     for step in range(STEPS):
         batch = batch_of(step, 0)
         torch.manual_seed(100 + step)  # the same dropout masks in both runs
