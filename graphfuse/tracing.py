@@ -101,6 +101,7 @@ def trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tenso
         if spec.role == sig.PARAM:
             fake.requires_grad_(True)
     t0 = time.perf_counter()
+    install_cpu_float_grouped_mm()
     traced = make_fx(functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
     log.debug("traced the step in %.2fs", time.perf_counter() - t0)
     name_placeholders(traced.graph, specs)
@@ -174,3 +175,33 @@ class ConstantValues(TorchDispatchMode):
 
 
 _READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+
+def install_cpu_float_grouped_mm() -> None:
+    """Give fake tensors a rule for `aten._grouped_mm` on CPU tensors of float dtypes other than
+    bfloat16: torch's meta function accepts only bfloat16 (a CUDA kernel's limit), while the CPU
+    kernel also runs float32, as eager transformers MoE experts (grouped_mm) call it. Installed
+    once per process, as torch keeps these rules in a global list that every fake propagation
+    reads (capture, verify, program loading); it answers only calls torch's meta refuses, with
+    the meta function's output shape, contiguous as the CPU kernel returns it."""
+    global _GROUPED_MM_INSTALLED
+    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    if _GROUPED_MM_INSTALLED or op is None:
+        return
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def rule(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        if mat_a.device.type != "cpu" or mat_a.dtype == torch.bfloat16 or bias is not None:
+            return NotImplemented  # torch's own meta function decides
+        if mat_a.dim() == 2:
+            size = [offs.size(0), mat_a.size(0), mat_b.size(1)] if mat_b.dim() == 2 else [mat_a.size(0), mat_b.size(-1)]
+        else:
+            size = [mat_a.size(1), mat_b.size(1)] if mat_b.dim() == 2 else [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+        return FakeTensor(fake_mode, torch.empty(size, dtype=out_dtype or mat_a.dtype, device="meta"), mat_a.device)
+
+    fake_impls.op_implementations_checks.insert(0, (lambda func: func is op.default, rule))
+    _GROUPED_MM_INSTALLED = True
+
+
+_GROUPED_MM_INSTALLED = False
