@@ -174,7 +174,7 @@ class ConstantValues(TorchDispatchMode):
                 del self.real[t]
 
 
-_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
 
 
 def install_cpu_float_grouped_mm() -> None:
