@@ -73,18 +73,8 @@ def llama_1b() -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48])
-    ap.add_argument("--repeat", type=int, default=2, help="report the best of this many runs")
-    ap.add_argument("--llama-1b", action="store_true", help="only the 1.1B Llama-shaped row (meta device)")
-    args = ap.parse_args()
-    if args.llama_1b:
-        print(json.dumps({"bench": "capture", "load_avg_1m": round(os.getloadavg()[0], 2), "torch": torch.__version__,
-                          "cpu_count": os.cpu_count(), "row": llama_1b()}))
-        return
-
-    machine = {
+def describe_machine() -> dict:
+    return {
         "platform": platform.platform(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "processor": platform.processor() or platform.machine(),
@@ -93,6 +83,19 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48])
+    ap.add_argument("--repeat", type=int, default=2, help="report the best of this many runs")
+    ap.add_argument("--llama-1b", action="store_true", help="only the 1.1B Llama-shaped row (meta device)")
+    args = ap.parse_args()
+    if args.llama_1b:
+        print(json.dumps({"bench": "capture", "machine": describe_machine(), "row": llama_1b()}))
+        return
+
+    machine = describe_machine()
     rows = []
     for n_layer in args.layers:
         model, optimizer, batch = setup(n_layer)
