@@ -3,7 +3,8 @@ name (any overload of a listed operator). Nothing outside the list is ever looke
 
 The list is what the tests' training steps contain after every pass (MLP, GPT, conv +
 BatchNorm, transformers Llama and BERT; AdamW, Adam with amsgrad, SGD with nesterov and
-dampening, and the other optimizers of tests/test_optimizers.py; gradient clipping, accumulation, fp32 masters, 2 ranks), as
+dampening, the other optimizers of tests/test_optimizers.py; gradient clipping, accumulation,
+fp32 masters, 2 ranks), as
 `tools/list_program_ops.py` prints it, plus what the GPT and Llama steps add on CUDA (seen
 on an H200 with torch 2.11: the efficient and cuDNN attention kernels, `le`, `scalar_tensor`,
 `squeeze`) and the flash attention kernel of the same operator.
