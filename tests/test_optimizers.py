@@ -154,8 +154,9 @@ def test_optimizers_at_two_ranks_are_bitwise_like_eager_data_parallel():
     assert results == [dict.fromkeys(DP_OPTIMIZERS, True)] * 2, results
 
 
-def test_every_optimizer_update_can_be_saved_in_a_program_file():
-    """Each update's ops are in the program files' op allowlist."""
+def test_every_optimizer_update_can_be_saved_in_a_program_file(tmp_path):
+    """Each update's ops are in the program files' op allowlist, and its description (kind
+    and hyper-parameters) reads back as it was written."""
     from graphfuse.program_files.ops import target_name
 
     for name, make in OPTIMIZERS.items():
@@ -163,6 +164,8 @@ def test_every_optimizer_update_can_be_saved_in_a_program_file():
         program = gf.capture(model, make(model), mlp_loss, mlp_batches(1)[0])
         missing = {str(n.target) for n in program.graph.nodes if n.op == "call_function" and target_name(n.target) is None}
         assert not missing, f"{name}: ops outside the allowlist: {missing}"
+        gf.save_program(program, tmp_path / name)
+        assert gf.load_program(tmp_path / name).optim == program.optim, name
 
 
 @pytest.mark.parametrize(("name", "mode"), [("nadam", "balanced"), ("adagrad", "unbalanced"), ("radam", "balanced")])
