@@ -5,28 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
-from graphfuse.errors import UnsupportedError
+from graphfuse.errors import GraphfuseError, UnsupportedError
 from graphfuse.program import PassRun, Program
 from graphfuse.strategy import Strategy
 from graphfuse.tracing import (
-    fake_examples,
-    name_placeholders,
+    module_of_error,
     scalar_example,
     tensor_meta,
+    trace,
     update_function,
 )
 
@@ -61,11 +59,11 @@ def program_batch_key(program: Program) -> tuple:
 
 
 @contextlib.contextmanager
-def presenting_as_compiling() -> Iterator[None]:
-    """Make `torch.compiler.is_compiling()` true, as models written for torch.compile expect;
-    they then skip data-dependent checks that fake tensors cannot answer."""
+def presenting_as_compiling(on: bool = True) -> Iterator[None]:
+    """Make `torch.compiler.is_compiling()` return `on`: true as models written for
+    torch.compile expect; they then skip data-dependent checks that fake tensors cannot answer."""
     old = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
+    torch.compiler._is_compiling_flag = on
     try:
         yield
     finally:
@@ -140,7 +138,7 @@ def capture(
     info = _ModelInfo(model, optimizer)
     batch = _Batch(example_batch, strategy.grad_accumulation)
     specs, examples = _step_inputs(info, batch)
-    traced = _trace(_step_function(model, loss_fn, info, batch), specs, examples)
+    traced = _trace_step(model, loss_fn, info, batch, specs, examples)
     loss, new_buffers, grads = _step_outputs(traced.graph, len(info.buffers))
     outputs = [(sig.OutputSpec(sig.LOSS, "loss"), loss)]
     outputs += _add_updates(traced.graph, info, dict(zip(info.trainable, grads)))
@@ -173,7 +171,7 @@ def _step_inputs(info: _ModelInfo, batch: _Batch) -> tuple[list[sig.InputSpec], 
     return [s for s, _ in inputs], [t for _, t in inputs]
 
 
-def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch) -> Callable:
+def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch, compiling: bool) -> Callable:
     """The step as a function of the inputs in `_step_inputs` order (the optimizer's states
     and scalars are passed and unused: the update is added per group afterwards), returning
     (loss, new buffers, gradients)."""
@@ -199,7 +197,7 @@ def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, 
         grads = total = None
         # torch.autograd.grad (as AOTAutograd's joint graph does), not torch.func.grad: functorch
         # decomposes some backward kernels (silu_backward) into ops that round differently.
-        with presenting_as_compiling(), torch.enable_grad():
+        with presenting_as_compiling(compiling), torch.enable_grad():
             for micro_batch in batch.micro_batches(list(flat[len(flat) - n_batch :])):
                 loss, buffers = loss_of(params, frozen, buffers, micro_batch)
                 g = _gradients(loss, params)
@@ -219,25 +217,27 @@ def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, 
     return step
 
 
-def _trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tensor]) -> torch.fx.GraphModule:
-    """make_fx of the functionalized step on fake tensors, placeholders named after `specs`."""
-    fakes = fake_examples(FakeTensorMode(allow_non_fake_inputs=True), specs, examples)
-    for spec, fake in zip(specs, fakes):
-        if spec.role == sig.PARAM:
-            fake.requires_grad_(True)
-    t0 = time.perf_counter()
+def _trace_step(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch, specs, examples) -> torch.fx.GraphModule:
+    """Trace the step on the path eager PyTorch takes: host reads of values computed from
+    constants are answered (ConstantValues) and `torch.compiler.is_compiling()` is false. A
+    step that reads a value depending on an input is traced again presenting as compiling,
+    as models written for torch.compile expect (they then skip such reads); that path may
+    differ from eager's (docs/models.md)."""
     try:
-        traced = make_fx(_functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
+        return trace(_step_function(model, loss_fn, info, batch, compiling=False), specs, examples)
+    except GraphfuseError:
+        raise
+    except Exception as e:  # noqa: BLE001 (any failure of the eager path: the compiling path decides)
+        log.info("graphfuse: tracing the step as eager runs it failed (%r); tracing it as compiling", e)
+    try:
+        return trace(_step_function(model, loss_fn, info, batch, compiling=True), specs, examples)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
         raise UnsupportedError(
-            f"the training step reads a tensor's value on the host ({e}: .item(), float(t), int(t), "
+            f"the training step reads a tensor's value on the host{module_of_error(e, model)} ({e}: .item(), float(t), int(t), "
             "`if t:`, or an op whose output shape depends on values, such as nonzero); graphfuse traces "
             "with fake tensors and cannot follow that. Keep such values as tensors (torch.where instead "
             "of `if`), or guard the code with torch.compiler.is_compiling(), which is true while tracing"
         ) from e
-    log.debug("traced the step in %.2fs", time.perf_counter() - t0)
-    name_placeholders(traced.graph, specs)
-    return traced
 
 
 def _step_outputs(graph: torch.fx.Graph, n_buffers: int) -> tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]:
@@ -304,20 +304,6 @@ def _trace_update(spec: gopt.GroupSpec, dtype: torch.dtype, device: str) -> torc
         if n.op == "call_function" and (tuple(val.shape) != shape or val.dtype != dtype):
             raise UnsupportedError(f"the {spec.kind} update is not elementwise: {n.format_node()} gives {val.shape} {val.dtype}")
     return graph
-
-
-def _functionalized(fn: Callable) -> Callable:
-    """`fn` under a FunctionalTensorMode, as AOTAutograd runs its joint graph: mutations become
-    out-of-place ops, views stay views, and autograd (which torch.func.functionalize would
-    hide from `fn`) sees its inputs' requires_grad."""
-
-    def wrapped(*args):
-        with FunctionalTensorMode():
-            fargs = [FunctionalTensor.to_functional(a) for a in args]
-            out = fn(*fargs)
-        return pytree.tree_map_only(FunctionalTensor, FunctionalTensor.from_functional, out)
-
-    return wrapped
 
 
 def _unchanged(out: torch.fx.Node, placeholder: torch.fx.Node) -> bool:

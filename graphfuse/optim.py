@@ -1,8 +1,11 @@
-"""The optimizers graphfuse compiles: validation, state names, host scalars, and the
-elementwise update written as plain aten ops (bitwise equal to torch.optim, foreach=False).
+"""The optimizers graphfuse compiles: validation and description of a torch.optim optimizer
+(`describe_optimizer`), the checks between steps, and the update of one group (the rules
+themselves, one per optimizer, are in graphfuse.optimizers).
 
-The update reads only per-element values and per-group scalars, so the same function
-updates one parameter or a whole flat bucket shard.
+Every update reads only per-element values and per-group scalars, so the same function
+updates one parameter or a whole flat bucket shard. That is also why only elementwise
+optimizers are accepted: a shard may end inside one parameter and start another, and an
+update that reads a whole parameter (a norm, a matrix) would see a different tensor.
 """
 
 from __future__ import annotations
@@ -13,19 +16,29 @@ from dataclasses import dataclass
 import torch
 
 from graphfuse.errors import UnsupportedError
+from graphfuse.optimizers import BOOL_SCALARS, CLASSES, RULES
+
+__all__ = ["BOOL_SCALARS", "GroupSpec", "OptimSpec", "describe_optimizer", "check_group_unchanged", "update"]
 
 log = logging.getLogger("graphfuse")
 
-SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
+SUPPORTED = ", ".join(f"torch.optim.{name}" for name in CLASSES)
+# Optimizers refused with the reason they cannot be compiled as a sharded elementwise update.
+NOT_ELEMENTWISE = {
+    "LBFGS": "its step re-evaluates a closure and searches along a direction over all parameters",
+    "SparseAdam": "it updates sparse gradients",
+    "Muon": "its update orthogonalises each weight matrix as a whole",
+    "Adafactor": "it factors each matrix's second moment into row and column sums",
+}
 
 
 @dataclass(frozen=True)
 class GroupSpec:
     """Everything about one param group the traced update depends on, apart from lr."""
 
-    kind: str  # "adam" (Adam and AdamW) or "sgd"
+    kind: str  # a key of graphfuse.optimizers.RULES: "adam" (Adam and AdamW), "sgd", "rmsprop", ...
     params: tuple[str, ...]  # canonical FQNs of the group's trainable parameters
-    decoupled: bool = False  # AdamW's decoupled weight decay
+    decoupled: bool = False  # decoupled weight decay (AdamW; NAdam, RAdam with decoupled_weight_decay)
     beta1: float = 0.0
     beta2: float = 0.0
     eps: float = 0.0
@@ -35,42 +48,29 @@ class GroupSpec:
     momentum: float = 0.0
     dampening: float = 0.0
     nesterov: bool = False
+    alpha: float = 0.0  # RMSprop
+    centered: bool = False  # RMSprop
+    lr_decay: float = 0.0  # Adagrad
+    momentum_decay: float = 0.0  # NAdam
+    rho: float = 0.0  # Adadelta
 
     @property
     def state_names(self) -> tuple[str, ...]:
-        if self.kind == "adam":
-            return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
-        return ("momentum_buffer",) if self.momentum != 0 else ()
+        return RULES[self.kind].states(self)
 
     @property
     def scalar_names(self) -> tuple[str, ...]:
         """Per-step scalars the host computes (as torch.optim does, in Python doubles)."""
-        if self.kind == "adam":
-            decay = ("decay",) if self.decoupled and self.weight_decay != 0 else ()
-            return decay + ("neg_step_size", "bc2_sqrt")
-        return ("lr",) + (("first",) if self.momentum != 0 and self.dampening != 0 else ())
+        return RULES[self.kind].scalars(self)
 
     @property
     def has_step(self) -> bool:
-        return self.kind == "adam"
+        """Whether torch.optim keeps a `step` state per parameter (all but SGD)."""
+        return self.kind != "sgd"
 
     def host_scalars(self, lr: float, weight_decay: float, step: int) -> dict[str, float | bool]:
         """The scalars of step number `step` (1-based), computed exactly as torch.optim does."""
-        if self.kind == "adam":
-            s = float(step)
-            bias_correction1 = 1 - self.beta1**s
-            bias_correction2 = 1 - self.beta2**s
-            out: dict[str, float | bool] = {
-                "neg_step_size": -(lr / bias_correction1),
-                "bc2_sqrt": bias_correction2**0.5,
-            }
-            if "decay" in self.scalar_names:
-                out["decay"] = 1 - lr * weight_decay
-            return out
-        out = {"lr": lr}
-        if "first" in self.scalar_names:
-            out["first"] = step == 1
-        return out
+        return RULES[self.kind].host(self, lr, weight_decay, step)
 
 
 @dataclass(frozen=True)
@@ -90,23 +90,67 @@ def _float(value, what: str, cls_name: str) -> float:
     return float(value)
 
 
+def _hyper(kind: str, cls_name: str, group: dict, g: int) -> dict:
+    """The group's baked-in hyper-parameters as GroupSpec fields."""
+    out: dict = {}
+    for key in RULES[kind].hyper:
+        if key == "betas":
+            b1, b2 = group["betas"]
+            if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
+                raise UnsupportedError(f"{cls_name} param group {g}: tensor betas are not supported; pass floats")
+            out["beta1"], out["beta2"] = float(b1), float(b2)
+        elif key == "decoupled":
+            out[key] = bool(group.get("decoupled_weight_decay", cls_name == "AdamW"))
+        elif isinstance(GroupSpec.__dataclass_fields__[key].default, bool):
+            out[key] = bool(group.get(key, False))
+        else:
+            out[key] = _float(group[key], key, cls_name)
+    return out
+
+
+def _check_class(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    name = cls.__name__
+    if name in NOT_ELEMENTWISE:
+        raise UnsupportedError(
+            f"optimizer {cls.__module__}.{cls.__qualname__} is not supported: {NOT_ELEMENTWISE[name]}, while "
+            "graphfuse updates flat shards that may cross parameter boundaries, so only elementwise updates "
+            f"are exact. Supported: {SUPPORTED}"
+        )
+    if name not in CLASSES or cls is not getattr(torch.optim, name, None):
+        raise UnsupportedError(
+            f"optimizer {cls.__module__}.{cls.__qualname__} is not supported; supported: {SUPPORTED} "
+            "(exact classes, not subclasses, since a subclass may change the update; graphfuse updates flat "
+            "shards that may cross parameter boundaries, so only elementwise updates can be compiled)"
+        )
+    return name
+
+
+def _check_fresh(optimizer: torch.optim.Optimizer, cls_name: str) -> None:
+    """No state yet; Adagrad creates its state in __init__, which is accepted while it is
+    untouched and its accumulator starts at zero (graphfuse's states start at zero)."""
+    for group in optimizer.param_groups:
+        if cls_name == "Adagrad" and _float(group["initial_accumulator_value"], "initial_accumulator_value", cls_name) != 0:
+            raise UnsupportedError(
+                "Adagrad(initial_accumulator_value != 0) is not supported: graphfuse's optimizer states start "
+                "at zero; use initial_accumulator_value=0"
+            )
+    for state in optimizer.state.values():
+        fresh = cls_name == "Adagrad" and float(state.get("step", 0)) == 0 and not state.get("sum", torch.zeros(())).any()
+        if len(state) and not fresh:
+            raise UnsupportedError(
+                f"{cls_name} already has state (it has stepped); pass a fresh optimizer to gf.compile "
+                "and restore state with DistModel.load_state_dict or gf.load"
+            )
+
+
 def describe_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> OptimSpec:
     """Validate `optimizer` and describe it; `names` maps id(parameter) to its canonical FQN.
 
     Raises UnsupportedError naming the class or option, before any state is touched.
     """
-    cls = type(optimizer)
-    cls_name = cls.__name__
-    if cls not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
-        raise UnsupportedError(
-            f"optimizer {cls.__module__}.{cls.__qualname__} is not supported; supported: {SUPPORTED} "
-            "(exact classes, not subclasses, since a subclass may change the update)"
-        )
-    if any(len(s) for s in optimizer.state.values()):
-        raise UnsupportedError(
-            f"{cls_name} already has state (it has stepped); pass a fresh optimizer to gf.compile "
-            "and restore state with DistModel.load_state_dict or gf.load"
-        )
+    cls_name = _check_class(optimizer)
+    _check_fresh(optimizer, cls_name)
     if any(group.get("fused") or group.get("foreach") for group in optimizer.param_groups):
         log.info(
             "graphfuse: %s(fused=/foreach=) only chooses torch's kernels; graphfuse runs its own fused "
@@ -129,56 +173,28 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
             seen.add(id(p))
             if p.requires_grad:
                 fqns.append(names[id(p)])
-        if cls_name == "SGD":
-            spec = GroupSpec(
-                kind="sgd",
-                params=tuple(fqns),
-                weight_decay=_float(group["weight_decay"], "weight_decay", cls_name),
-                maximize=bool(group["maximize"]),
-                momentum=_float(group["momentum"], "momentum", cls_name),
-                dampening=_float(group["dampening"], "dampening", cls_name),
-                nesterov=bool(group["nesterov"]),
-            )
-        else:
-            b1, b2 = group["betas"]
-            if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
-                raise UnsupportedError(f"{cls_name} param group {g}: tensor betas are not supported; pass floats")
-            spec = GroupSpec(
-                kind="adam",
-                params=tuple(fqns),
-                decoupled=bool(group.get("decoupled_weight_decay", cls is torch.optim.AdamW)),
-                beta1=float(b1),
-                beta2=float(b2),
-                eps=_float(group["eps"], "eps", cls_name),
-                weight_decay=_float(group["weight_decay"], "weight_decay", cls_name),
-                amsgrad=bool(group["amsgrad"]),
-                maximize=bool(group["maximize"]),
-            )
-        groups.append(spec)
+        kind = CLASSES[cls_name]
+        groups.append(GroupSpec(kind=kind, params=tuple(fqns), **_hyper(kind, cls_name, group, g)))
     return OptimSpec(cls_name=cls_name, groups=tuple(groups))
 
 
 def check_group_unchanged(spec: GroupSpec, group: dict, g: int) -> None:
-    """Hyper-parameters other than lr (and AdamW's weight decay) are baked into the graph:
+    """Hyper-parameters other than lr (and a decoupled weight decay) are baked into the graph:
     refuse a step after a scheduler changed one, rather than silently ignore it."""
-    if spec.kind == "adam":
-        current = {
-            "betas": tuple(float(b) for b in group["betas"]),
-            "eps": float(group["eps"]),
-            "amsgrad": bool(group["amsgrad"]),
-            "maximize": bool(group["maximize"]),
-        }
-        traced = {"betas": (spec.beta1, spec.beta2), "eps": spec.eps, "amsgrad": spec.amsgrad, "maximize": spec.maximize}
-        if "decay" not in spec.scalar_names:
-            current["weight_decay"], traced["weight_decay"] = float(group["weight_decay"]), spec.weight_decay
-    else:
-        keys = ("momentum", "dampening", "weight_decay")
-        current = {k: float(group[k]) for k in keys} | {k: bool(group[k]) for k in ("nesterov", "maximize")}
-        traced = {k: getattr(spec, k) for k in (*keys, "nesterov", "maximize")}
-    for k, v in traced.items():
-        if current[k] != v:
+    current = _hyper(spec.kind, "", group, g)
+    traced = {k: getattr(spec, k) for k in current}
+    if "decay" in spec.scalar_names:
+        current.pop("weight_decay", None)
+    if "decoupled_weight_decay" not in group:  # AdamW of a torch without the key: the class decides
+        current.pop("decoupled", None)
+    for key in current:
+        if current[key] != traced[key]:
+            if key.startswith("beta"):
+                key, old, new = "betas", (spec.beta1, spec.beta2), (current["beta1"], current["beta2"])
+            else:
+                old, new = traced[key], current[key]
             raise UnsupportedError(
-                f"param group {g}: {k} changed from {v} to {current[k]} after gf.compile; only lr"
+                f"param group {g}: {key} changed from {old} to {new} after gf.compile; only lr"
                 + (" and weight_decay" if "decay" in spec.scalar_names else "")
                 + " may change between steps. Re-run gf.compile to use the new value"
             )
@@ -193,38 +209,10 @@ def update(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One optimizer step as pure elementwise ops; returns (new param, new states).
 
-    Mirrors torch.optim's `_single_tensor_adam` / `_single_tensor_sgd` op for op. Scalars
+    Mirrors torch.optim's `_single_tensor_*` code op for op (graphfuse.optimizers). Scalars
     that change per step are 0-d float64 tensors, which the CPU kernels read exactly as
-    they read a Python float; `add(alpha=-lr)` is written as `addcmul(value=-1)`, which
-    rounds once, as the fused multiply-add behind `add(alpha=...)` does.
+    they read a Python float (cast to the parameter's dtype).
     """
     if spec.maximize:
         grad = torch.neg(grad)
-    if spec.kind == "adam":
-        if spec.weight_decay != 0:
-            if spec.decoupled:
-                param = torch.mul(param, scalars["decay"])
-            else:
-                grad = torch.add(grad, param, alpha=spec.weight_decay)
-        exp_avg = torch.lerp(states["exp_avg"], grad, 1 - spec.beta1)
-        exp_avg_sq = torch.addcmul(torch.mul(states["exp_avg_sq"], spec.beta2), grad, grad, value=1 - spec.beta2)
-        new_states = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-        second = exp_avg_sq
-        if spec.amsgrad:
-            second = new_states["max_exp_avg_sq"] = torch.maximum(states["max_exp_avg_sq"], exp_avg_sq)
-        denom = torch.add(torch.div(torch.sqrt(second), scalars["bc2_sqrt"]), spec.eps)
-        param = torch.add(param, torch.div(torch.mul(exp_avg, scalars["neg_step_size"]), denom))
-        return param, new_states
-    new_states = {}
-    if spec.weight_decay != 0:
-        grad = torch.add(grad, param, alpha=spec.weight_decay)
-    if spec.momentum != 0:
-        # The buffer starts at zero, so step 1 gives 0*m + 1*grad = grad, as torch's clone does;
-        # with dampening, step 1 must take grad itself, selected by the host flag `first`.
-        buf = torch.add(torch.mul(states["momentum_buffer"], spec.momentum), grad, alpha=1 - spec.dampening)
-        if "first" in scalars:
-            buf = torch.where(scalars["first"], grad, buf)
-        new_states["momentum_buffer"] = buf
-        grad = torch.add(grad, buf, alpha=spec.momentum) if spec.nesterov else buf
-    param = torch.addcmul(param, grad, scalars["lr"], value=-1)
-    return param, new_states
+    return RULES[spec.kind].update(spec, param, grad, states, scalars)

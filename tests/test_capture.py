@@ -133,6 +133,11 @@ def sgd_dampening(model: nn.Module, **kw) -> torch.optim.Optimizer:
 
 
 # ---- the comparison -----------------------------------------------------------------------
+# Per-parameter 0-d states torch.optim keeps that graphfuse computes on the host from the
+# step count (the group's step, compared below; NAdam's mu_product, which the parameters check).
+HOST_STATES = ("step", "mu_product")
+
+
 def assert_same_state(m_eager: nn.Module, o_eager: torch.optim.Optimizer, m_gf: nn.Module, dm: gf.DistModel, when: str) -> None:
     """Every parameter, buffer and optimizer state of the eager run equals graphfuse's, bit for bit."""
     eager_params = dict(m_eager.named_parameters(remove_duplicate=False))
@@ -156,13 +161,13 @@ def assert_same_state(m_eager: nn.Module, o_eager: torch.optim.Optimizer, m_gf: 
             continue
         assert torch.equal(slices[f"slice@{fqn}"], p.detach().flatten()), f"{when}: slice@{fqn} differs"
         for name, value in state.items():
-            if name == "step":
+            if name in HOST_STATES:
                 continue
             n_states += 1
             assert torch.equal(slices[f"slice@{fqn}.{name}"], value.flatten()), f"{when}: state {fqn}.{name} differs"
         own = {k.removeprefix(f"slice@{fqn}.") for k in slices if k.startswith(f"slice@{fqn}.")}
         if state:
-            assert own == {k for k in state if k != "step"}, f"{fqn}: graphfuse states {own}, eager {set(state)}"
+            assert own == {k for k in state if k not in HOST_STATES}, f"{fqn}: graphfuse states {own}, eager {set(state)}"
         else:  # before the first step torch.optim has no state yet; graphfuse's starts at zero
             assert all(not slices[f"slice@{fqn}.{k}"].any() for k in own), f"{when}: {fqn} starts with nonzero state"
     if any(o_eager.state.values()):
@@ -254,6 +259,21 @@ def test_transformers_llama_with_frozen_layer_is_bitwise_equal_to_eager():
     sig = dm.program.signature
     assert sig.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "model.layers.0.mlp.up_proj.weight" in sig.names("frozen")
+
+
+def test_transformers_llama_without_cache_takes_eager_attention_path_bitwise():
+    """Issue 13, defect 1: with use_cache=False transformers checks position_ids (an arange)
+    for packed sequences on the host; capture answers that read from the constant's real
+    value, so SDPA runs with is_causal and enable_gqa as in eager, not with a mask and repeat_kv."""
+
+    def make():
+        model = tiny_llama()
+        model.config.use_cache = False
+        return model
+
+    dm = run_bitwise(make, adamw, hf_lm_loss, token_batches(4, seed=8))
+    sdpa = [n for n in dm.program.graph_module.graph.nodes if "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)]
+    assert sdpa and all(n.kwargs.get("is_causal") or (len(n.args) > 4 and n.args[4] is True) for n in sdpa), [n.format_node() for n in sdpa]
 
 
 def test_transformers_bert_is_bitwise_equal_to_eager():

@@ -68,15 +68,15 @@ def same_param_twice(m):
     return optimizer
 
 
-def rmsprop(m):
-    return torch.optim.RMSprop(m.parameters())
+def asgd(m):  # elementwise, but not (yet) compiled: refused by name
+    return torch.optim.ASGD(m.parameters())
 
 
 @pytest.mark.parametrize(
     ("make_optim", "named"),
     [
         (lbfgs, "LBFGS"),
-        (rmsprop, "RMSprop"),
+        (asgd, "ASGD"),
         (subclass, "MyAdamW"),
         (differentiable, "differentiable=True"),
         (tensor_betas, "tensor betas"),
@@ -91,7 +91,7 @@ def test_unsupported_optimizer_is_refused_before_any_state_changes(make_optim, n
     before = snapshot(model, optimizer)
     with pytest.raises(gf.UnsupportedError, match=re.escape(named)) as info:
         gf.compile(model, optimizer, mlp_loss, mlp_batches(1)[0])
-    if make_optim in (lbfgs, rmsprop, subclass):
+    if make_optim in (lbfgs, asgd, subclass):
         assert "AdamW, torch.optim.Adam, torch.optim.SGD" in str(info.value), "lists what is supported"
     assert_untouched(model, before)
 
@@ -154,7 +154,7 @@ class CompileAware(nn.Module):
         return self.lin(x)
 
 
-def test_forward_is_traced_as_compiling_and_the_flag_is_restored():
+def test_forward_that_reads_an_input_is_traced_again_as_compiling_and_the_flag_is_restored():
     torch.manual_seed(0)
     m_eager = CompileAware()
     m_gf = copy.deepcopy(m_eager)
@@ -162,7 +162,9 @@ def test_forward_is_traced_as_compiling_and_the_flag_is_restored():
     o_gf = torch.optim.AdamW(m_gf.parameters(), lr=1e-2)
     x = torch.randn(5, 4)
     dm = gf.compile(m_gf, o_gf, lambda m, b: m(b).square().mean(), x)
-    assert m_gf.seen == [True]
+    # First as eager runs it (the all-zero check reads the batch: fake tensors cannot answer),
+    # then as compiling, which skips the check.
+    assert m_gf.seen == [False, True]
     assert not torch.compiler.is_compiling()
     for _ in range(3):
         o_eager.zero_grad()
@@ -238,3 +240,54 @@ def test_changing_sgd_options_after_compile_is_refused(key, value):
     with pytest.raises(gf.UnsupportedError, match=f"param group 0: {key} changed"):
         dm(mlp_batches(1)[0])
     assert_untouched(model, before)
+
+
+class ReadsConstant(nn.Module):
+    """Host reads of values computed from shapes alone, as transformers' masking code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.compiler.is_compiling())
+        positions = torch.arange(x.shape[0]).unsqueeze(0)
+        scale = float(positions[:, -1].sum()) + 1.0  # read on the host: 5.0 for 5 rows
+        if bool((torch.diff(positions, dim=-1) == 1).all()):
+            scale = scale * 2
+        return self.lin(x) * scale
+
+
+def test_host_read_of_a_value_computed_from_constants_is_answered_as_eager_reads_it():
+    torch.manual_seed(0)
+    m_eager = ReadsConstant()
+    m_gf = copy.deepcopy(m_eager)
+    o_eager = torch.optim.AdamW(m_eager.parameters(), lr=1e-2, foreach=False)
+    dm = gf.compile(m_gf, torch.optim.AdamW(m_gf.parameters(), lr=1e-2), lambda m, b: m(b).square().mean(), torch.randn(5, 4))
+    assert m_gf.seen == [False], "traced once, as eager runs it"
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        o_eager.zero_grad()
+        loss = m_eager(x).square().mean()
+        loss.backward()
+        o_eager.step()
+        assert torch.equal(dm(x), loss.detach())
+    assert_same_state(m_eager, o_eager, m_gf, dm, "constant reads")
+
+
+class OverwritesConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.zeros(4)
+        c.add_(x.sum(0))  # from here on c depends on the batch: its value is no longer known
+        return self.lin(x) * (2.0 if bool(c.sum() > 0) else 1.0)
+
+
+def test_host_read_of_a_constant_overwritten_by_an_input_is_refused():
+    model = OverwritesConstant()
+    with pytest.raises(gf.UnsupportedError, match=r"reads a tensor's value on the host in module \(the model\)"):
+        gf.compile(model, torch.optim.SGD(model.parameters(), lr=1e-3), lambda m, b: m(b).sum(), torch.randn(5, 4))

@@ -10,6 +10,7 @@ import torch.fx
 from graphfuse import signature as sig
 from graphfuse.errors import GraphfuseError
 from graphfuse.optim import GroupSpec, OptimSpec
+from graphfuse.optimizers import CLASSES, RULES
 from graphfuse.program import PassRun, Program, TensorMeta
 from graphfuse.strategy import Strategy
 
@@ -18,7 +19,7 @@ from .values import IDENT, Malformed, dims, dtype, short
 
 KEYS = ("signature", "optim", "inputs_meta", "strategy", "layout", "passes", "world_size", "rank", "group_name")
 SIGNATURE_KEYS = ("inputs", "outputs", "grads", "aliases", "batch_spec")
-OPTIMIZERS = ("AdamW", "Adam", "SGD")
+OPTIMIZERS = tuple(CLASSES)
 MAX_WORLD_SIZE = 2**20
 
 
@@ -130,8 +131,8 @@ def _group(g, i: int) -> GroupSpec:
     fields = {f.name: f for f in dataclasses.fields(GroupSpec)}
     if not isinstance(g, dict) or not {"kind", "params"} <= set(g) <= set(fields):
         raise Malformed(f"optim.groups[{i}] must hold kind, params and fields of {', '.join(fields)}")
-    if g["kind"] not in ("adam", "sgd") or not (isinstance(g["params"], list) and all(isinstance(p, str) for p in g["params"])):
-        raise Malformed(f"optim.groups[{i}]: kind must be adam or sgd and params a list of names")
+    if g["kind"] not in RULES or not (isinstance(g["params"], list) and all(isinstance(p, str) for p in g["params"])):
+        raise Malformed(f"optim.groups[{i}]: kind must be one of {', '.join(RULES)} and params a list of names")
     for name, value in g.items():
         expected = type(fields[name].default)  # bool or float; kind and params have none
         if expected is bool and type(value) is not bool or expected is float and type(value) not in (int, float):

@@ -3,7 +3,8 @@ name (any overload of a listed operator). Nothing outside the list is ever looke
 
 The list is what the tests' training steps contain after every pass (MLP, GPT, conv +
 BatchNorm, transformers Llama and BERT; AdamW, Adam with amsgrad, SGD with nesterov and
-dampening; gradient clipping, accumulation, fp32 masters, 2 ranks), as
+dampening, the other optimizers of tests/test_optimizers.py; gradient clipping, accumulation,
+fp32 masters, 2 ranks), as
 `tools/list_program_ops.py` prints it, plus what the GPT and Llama steps add on CUDA (seen
 on an H200 with torch 2.11: the efficient and cuDNN attention kernels, `le`, `scalar_tensor`,
 `squeeze`) and the flash attention kernel of the same operator.
@@ -25,7 +26,7 @@ ALLOWED: dict[str, frozenset[str]] = {
         _scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_backward
         _scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward
         _scaled_dot_product_cudnn_attention _scaled_dot_product_cudnn_attention_backward
-        _softmax _softmax_backward_data _to_copy _unsafe_view add addcmul addmm alias arange bmm cat
+        _softmax _softmax_backward_data _to_copy _unsafe_view abs add addcdiv addcmul addmm alias arange bmm cat
         clamp_max clone constant_pad_nd convolution convolution_backward cos detach div embedding
         embedding_dense_backward expand gather gelu gelu_backward le lerp lift_fresh_copy
         max_pool2d_with_indices max_pool2d_with_indices_backward maximum mean mm mse_loss mse_loss_backward mul

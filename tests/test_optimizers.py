@@ -1,0 +1,191 @@
+"""Every elementwise torch.optim optimizer compiled by graphfuse is bitwise equal to its
+foreach=False form (two param groups, a frozen layer, a warm-up LR schedule); optimizers
+whose update is not elementwise are refused by name. 2-rank runs are in test_zoo.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from test_capture import MLP, freeze_first_layer, mlp_batches, mlp_loss, run_bitwise, two_groups
+
+import graphfuse as gf
+
+STEPS = 8  # RAdam's rectification starts at step 6 with beta2=0.999: both branches are run
+
+
+def _groups(model: nn.Module, decay: float, **second) -> list[dict]:
+    """two_groups, the second with hyper-parameters of its own (`second`)."""
+    groups = two_groups(model, decay=decay)
+    groups[1].update(second)
+    return groups
+
+
+OPTIMIZERS = {
+    "rmsprop": lambda m: torch.optim.RMSprop(_groups(m, 1e-2), lr=1e-2, foreach=False),
+    "rmsprop_centered_momentum": lambda m: torch.optim.RMSprop(
+        _groups(m, 1e-2, momentum=0.0), lr=1e-2, alpha=0.9, momentum=0.8, centered=True, foreach=False
+    ),
+    "rmsprop_maximize": lambda m: torch.optim.RMSprop(_groups(m, 0.0), lr=1e-3, momentum=0.5, maximize=True, foreach=False),
+    "adagrad": lambda m: torch.optim.Adagrad(_groups(m, 1e-2, lr_decay=0.0), lr=5e-2, lr_decay=0.01, foreach=False),
+    "adamax": lambda m: torch.optim.Adamax(_groups(m, 1e-2, betas=(0.8, 0.99)), lr=1e-2, foreach=False),
+    "nadam": lambda m: torch.optim.NAdam(_groups(m, 1e-2, momentum_decay=2e-3), lr=1e-2, foreach=False),
+    "nadam_decoupled": lambda m: torch.optim.NAdam(_groups(m, 0.1), lr=1e-2, decoupled_weight_decay=True, foreach=False),
+    "radam": lambda m: torch.optim.RAdam(_groups(m, 1e-2), lr=1e-2, foreach=False),
+    "radam_decoupled": lambda m: torch.optim.RAdam(_groups(m, 0.1), lr=1e-2, decoupled_weight_decay=True, foreach=False),
+    "adadelta": lambda m: torch.optim.Adadelta(_groups(m, 1e-2, rho=0.8), lr=0.5, foreach=False),
+    "adamw": lambda m: torch.optim.AdamW(_groups(m, 0.1, betas=(0.8, 0.9)), lr=1e-2, foreach=False),
+    "adam_amsgrad": lambda m: torch.optim.Adam(_groups(m, 1e-2), lr=1e-2, amsgrad=True, foreach=False),
+    "sgd_nesterov": lambda m: torch.optim.SGD(_groups(m, 1e-3), lr=5e-2, momentum=0.9, nesterov=True, foreach=False),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_is_bitwise_equal_to_its_single_tensor_form(name):
+    dm = run_bitwise(MLP, OPTIMIZERS[name], mlp_loss, mlp_batches(STEPS), freeze=freeze_first_layer)
+    assert dm.program.optim.cls_name == type(OPTIMIZERS[name](MLP())).__name__
+    assert dm.steps == [STEPS, STEPS]
+
+
+def test_every_elementwise_optimizer_of_torch_is_covered():
+    """A torch.optim class that is neither compiled nor refused by name would be a gap."""
+    from graphfuse.optim import NOT_ELEMENTWISE
+    from graphfuse.optimizers import CLASSES
+
+    tested = {type(make(MLP())).__name__ for make in OPTIMIZERS.values()}
+    assert tested == set(CLASSES)
+    classes = {
+        name
+        for name in dir(torch.optim)
+        if isinstance(getattr(torch.optim, name), type) and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
+    }
+    unknown = classes - set(CLASSES) - set(NOT_ELEMENTWISE) - {"Optimizer", "ASGD", "Rprop"}
+    assert not unknown, f"torch.optim classes graphfuse neither compiles nor refuses with a reason: {unknown}"
+
+
+class Muon(torch.optim.Optimizer):
+    """A matrix optimizer of the kind users bring (a user class named like torch's)."""
+
+    def __init__(self, params, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+
+def _refused(name: str):
+    m = MLP()
+    return {
+        "LBFGS": lambda: torch.optim.LBFGS(m.parameters()),
+        "SparseAdam": lambda: torch.optim.SparseAdam(list(m.parameters())),
+        "Muon": lambda: Muon(m.parameters()),
+        "ASGD": lambda: torch.optim.ASGD(m.parameters()),
+        "Rprop": lambda: torch.optim.Rprop(m.parameters()),
+    }[name](), m
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("LBFGS", "closure"),
+        ("SparseAdam", "sparse"),
+        ("Muon", "orthogonalises each weight matrix"),
+        ("ASGD", "supported: torch.optim.AdamW"),
+        ("Rprop", "supported: torch.optim.AdamW"),
+    ],
+)
+def test_optimizer_that_is_not_elementwise_is_refused_by_name(name, why):
+    optimizer, model = _refused(name)
+    with pytest.raises(gf.UnsupportedError, match=rf"optimizer \S*{name} is not supported") as info:
+        gf.compile(model, optimizer, mlp_loss, mlp_batches(1)[0])
+    assert why in str(info.value)
+    assert "cross parameter boundaries" in str(info.value)
+
+
+def test_adagrad_with_an_initial_accumulator_is_refused():
+    model = MLP()
+    optimizer = torch.optim.Adagrad(model.parameters(), initial_accumulator_value=0.1)
+    with pytest.raises(gf.UnsupportedError, match="initial_accumulator_value=0"):
+        gf.compile(model, optimizer, mlp_loss, mlp_batches(1)[0])
+
+
+def test_changing_a_baked_rmsprop_option_is_refused():
+    model = MLP()
+    optimizer = OPTIMIZERS["rmsprop"](model)
+    dm = gf.compile(model, optimizer, mlp_loss, mlp_batches(1)[0])
+    optimizer.param_groups[0]["alpha"] = 0.5
+    with pytest.raises(gf.UnsupportedError, match="param group 0: alpha changed from 0.99 to 0.5"):
+        dm(mlp_batches(1)[0])
+
+
+DP_OPTIMIZERS = ("nadam_decoupled", "rmsprop_centered_momentum", "radam")
+
+
+def _data_parallel(rank: int, world: int, names: tuple[str, ...]) -> dict:
+    """Each optimizer on an MLP trained by graphfuse (small buckets, so shards cross parameter
+    boundaries) and by an eager replica averaging gradients with all_reduce(AVG)."""
+    import copy
+
+    import torch.distributed as dist
+
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        m_ref = MLP()
+        m_gf = copy.deepcopy(m_ref)
+        o_ref = OPTIMIZERS[name](m_ref)
+        batches = mlp_batches(STEPS, seed=10 + rank)
+        dm = gf.compile(m_gf, OPTIMIZERS[name](m_gf), mlp_loss, batches[0], strategy=gf.Strategy(bucket_size_mb=0.002))
+        equal = len(dm.layout.buckets) > 1
+        for batch in batches:
+            o_ref.zero_grad()
+            loss = mlp_loss(m_ref, batch)
+            loss.backward()
+            for p in m_ref.parameters():
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            o_ref.step()
+            equal &= torch.equal(loss.detach(), dm(batch))
+        ref = dict(m_ref.named_parameters())
+        out[name] = equal and all(torch.equal(p, ref[n]) for n, p in m_gf.named_parameters())
+    return out
+
+
+def test_optimizers_at_two_ranks_are_bitwise_like_eager_data_parallel():
+    from distributed import run_ranks
+
+    results = run_ranks(_data_parallel, 2, DP_OPTIMIZERS, timeout=180)
+    assert results == [dict.fromkeys(DP_OPTIMIZERS, True)] * 2, results
+
+
+def test_every_optimizer_update_can_be_saved_in_a_program_file(tmp_path):
+    """Each update's ops are in the program files' op allowlist, and its description (kind
+    and hyper-parameters) reads back as it was written."""
+    from graphfuse.program_files.ops import target_name
+
+    for name, make in OPTIMIZERS.items():
+        model = MLP()
+        program = gf.capture(model, make(model), mlp_loss, mlp_batches(1)[0])
+        missing = {str(n.target) for n in program.graph.nodes if n.op == "call_function" and target_name(n.target) is None}
+        assert not missing, f"{name}: ops outside the allowlist: {missing}"
+        gf.save_program(program, tmp_path / name)
+        assert gf.load_program(tmp_path / name).optim == program.optim, name
+
+
+@pytest.mark.parametrize(("name", "mode"), [("nadam", "balanced"), ("adagrad", "unbalanced"), ("radam", "balanced")])
+def test_training_resumed_from_a_checkpoint_continues_bitwise(name, mode, tmp_path):
+    """The host-computed per-step values (NAdam's mu_product, Adagrad's decayed lr, RAdam's
+    rectification) come back from the saved step count: a resumed run equals an unbroken one."""
+    batches = mlp_batches(6)
+
+    def compiled():
+        torch.manual_seed(0)
+        model = MLP()
+        return model, gf.compile(model, OPTIMIZERS[name](model), mlp_loss, batches[0])
+
+    model_a, dm_a = compiled()
+    for batch in batches[:3]:
+        dm_a(batch)
+    gf.save(dm_a, tmp_path / "ckpt", mode=mode)
+    model_b, dm_b = compiled()
+    gf.load(dm_b, tmp_path / "ckpt")
+    assert dm_b.steps == dm_a.steps == [3, 3]
+    for batch in batches[3:]:
+        assert torch.equal(dm_a(batch), dm_b(batch))
+    assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True))
