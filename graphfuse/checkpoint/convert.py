@@ -61,8 +61,9 @@ def _balanced(source: dict, states: dict) -> dict:
     for key, value in source.items():
         if key.startswith("model."):
             out["model"][key[6:]] = value
-        elif key.startswith("optim.state.") and key.endswith(".step"):
-            out["optim"]["state"].setdefault(key[12:-5], {})["step"] = value
+        elif key.startswith("optim.state."):  # steps, and the carried state of frozen parameters
+            fqn, name = key[12:].rsplit(".", 1)
+            out["optim"]["state"].setdefault(fqn, {})[name] = value
         elif key.startswith("optim.param_groups."):
             g, name = key[len("optim.param_groups.") :].split(".", 1)
             groups = out["optim"]["param_groups"]
