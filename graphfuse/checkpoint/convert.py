@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from graphfuse import atomic_dir
 from graphfuse.checkpoint import directory, record
 from graphfuse.checkpoint.storage import (
     DCP_META,
@@ -105,10 +106,10 @@ def convert(src: str, dst: str, to: str, progress: Progress = lambda stage: None
         blob = (src_dir / EXTRA_FILE).read_bytes()
         if EXTRA_FILE in rec.files and crc32(src_dir / EXTRA_FILE) != rec.files[EXTRA_FILE]["crc32"]:
             raise CheckpointError(f"{src_dir / EXTRA_FILE}: contents differ from when it was saved (CRC-32 mismatch)")
-        directory.write_file(tmp / EXTRA_FILE, blob)
+        atomic_dir.write_file(tmp / EXTRA_FILE, blob)
         files[EXTRA_FILE] = {"bytes": len(blob), "crc32": crc32(tmp / EXTRA_FILE)}
     new = dataclasses.replace(rec, format=record.FORMAT, mode="balanced", files=files, save_id=save_id)
-    directory.write_file(tmp / META_FILE, new.to_json().encode())
+    atomic_dir.write_file(tmp / META_FILE, new.to_json().encode())
     if os.path.lexists(dst_dir):
         raise CheckpointError(f"{dst_dir}: appeared while converting; choose a new destination")
     directory.publish(tmp, dst_dir)
