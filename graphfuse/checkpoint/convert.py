@@ -24,6 +24,8 @@ from graphfuse.checkpoint.storage import (
     VerifiedReader,
     check_files,
     crc32,
+    dcp_load,
+    dcp_save,
     file_records,
     read_dcp_metadata,
 )
@@ -92,7 +94,7 @@ def convert(src: str, dst: str, to: str, progress: Progress = lambda stage: None
         k: torch.empty(tuple(e.size), dtype=e.properties.dtype) if isinstance(e, TensorStorageMetadata) else None
         for k, e in md.state_dict_metadata.items()
     }
-    dcp.load(source, storage_reader=VerifiedReader(src_dir, md), planner=LoadPlanner(), no_dist=True)
+    dcp_load(source, VerifiedReader(src_dir, md), LoadPlanner(), None, single=True)
     progress("assembling states")
     states, count = _states(layout, rec.shards, source, src_dir)
     out = _balanced(source, states)
@@ -100,7 +102,7 @@ def convert(src: str, dst: str, to: str, progress: Progress = lambda stage: None
     tmp, _ = directory.siblings(dst_dir)
     save_id = uuid.uuid4().hex
     directory.begin(tmp, save_id)
-    dcp.save(out, storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=1, sync_files=True), no_dist=True)
+    dcp_save(out, dcp.FileSystemWriter(str(tmp), thread_count=1, sync_files=True), None, None, single=True)
     files = file_records(tmp, 0)
     if (src_dir / EXTRA_FILE).exists():
         blob = (src_dir / EXTRA_FILE).read_bytes()

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from graphfuse.checkpoint import carried, directory, record, state
 from graphfuse.checkpoint.agree import FAILURES, describe, exchange
@@ -25,6 +24,7 @@ from graphfuse.checkpoint.storage import (
     VerifiedReader,
     check_files,
     crc32,
+    dcp_load,
     identity,
     read_dcp_metadata,
     tensor_md,
@@ -115,7 +115,7 @@ def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict]]:
     staged = c.staged
     into = {**staged, **c.small, **c.frozen}
     try:
-        dcp.load(into, storage_reader=VerifiedReader(c.where, c.md), planner=LoadPlanner(), process_group=dm.group)
+        dcp_load(into, VerifiedReader(c.where, c.md), LoadPlanner(), dm.group, single=dm.world_size == 1)
     except FAILURES as e:
         raise CheckpointError(f"{c.where}: reading failed, {describe(e)}") from None
     for name, before in c.seen.items():

@@ -27,6 +27,7 @@ from graphfuse.checkpoint.storage import (
     Chunks,
     SavePlanner,
     crc32,
+    dcp_save,
     file_records,
     read_dcp_metadata,
     verify_files,
@@ -164,7 +165,7 @@ def _write_and_publish(dm, ex: Exchange, group, sd: dict, rec: Record, tmp: Path
     try:
         writer = dcp.FileSystemWriter(str(tmp), thread_count=1, sync_files=True)
         try:
-            dcp.save(sd, storage_writer=writer, planner=SavePlanner(), process_group=group)
+            dcp_save(sd, writer, SavePlanner(), group, single=dm.world_size == 1)
         except FAILURES as e:
             raise CheckpointError(f"{tmp}: writing failed, {describe(e)}") from None
         records = file_records(tmp, dm.rank)
