@@ -82,15 +82,16 @@ class FrozenNet(nn.Module):
         return self.rank(torch.tanh(self.low_rank(x) + self.cube.mean(dim=(0, 1)) + self.late + self.never))
 
 
-def frozen_net(rank: int, seed: int, late_trains: bool, bucket_mb: float, mode: str = "balanced"):
+def frozen_net(rank: int, seed: int, late_trains: bool, bucket_mb: float, mode: str = "balanced", own_group=True):
     torch.manual_seed(seed)
     model = FrozenNet()
     model.never.requires_grad_(False)
     model.late.requires_grad_(late_trains)
-    groups = [
-        {"params": [model.low_rank.weight, model.rank.weight, model.cube, model.never]},
-        {"params": [model.late], "lr": 0.02},  # its own group: its step stops while it is frozen
-    ]
+    groups = [{"params": [model.low_rank.weight, model.rank.weight, model.cube, model.never]}]
+    if own_group:  # its step stops while it is frozen, as torch.optim's per-parameter step does
+        groups.append({"params": [model.late], "lr": 0.02})
+    else:
+        groups[0]["params"].append(model.late)
     opt = torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1, foreach=False)
     strategy = gf.Strategy(bucket_size_mb=bucket_mb, checkpoint_mode=mode)
     return gf.compile(model, opt, loss_fn, batch(rank, 0), strategy=strategy)
@@ -159,3 +160,23 @@ def test_frozen_after_training_and_never_stepped_parameters_reshard_2_3_4_2_bitw
         assert r["unfrozen_steps"] == [6, 3] and isinstance(r["unfrozen_loss"], float)
     f2 = read_all(os.path.join(root, "f2"))  # unfrozen: late's state back in the buckets, bitwise
     assert all(torch.equal(t2[k], f2[k]) for k in late)
+
+
+def test_a_parameter_frozen_in_a_group_that_trained_on_is_carried_then_refused_with_the_way_out(tmp_path):
+    dm = frozen_net(0, 0, True, BUCKET_MB[2], own_group=False)
+    for i in range(2):
+        dm(batch(0, i))
+    gf.save(dm, tmp_path / "t")
+    saved = read_all(str(tmp_path / "t"))
+    frozen = frozen_net(0, 1, False, BUCKET_MB[2], own_group=False)
+    gf.load(frozen, tmp_path / "t")
+    carried = frozen.state_dict()["optim"]["state"]["late"]  # in memory too
+    assert all(torch.equal(carried[k], saved[f"optim.state.late.{k}"]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    frozen(batch(0, 2))  # the group's step moves on to 3; late's stays at 2
+    gf.save(frozen, tmp_path / "u")
+    again = frozen_net(0, 2, False, BUCKET_MB[2], own_group=False)
+    again.load_state_dict(frozen.state_dict())  # frozen again: loads, and carries the state on
+    assert torch.equal(again.state_dict()["optim"]["state"]["late"]["exp_avg"], saved["optim.state.late.exp_avg"])
+    unfrozen = frozen_net(0, 3, True, BUCKET_MB[2], own_group=False)
+    with pytest.raises(gf.CheckpointError, match=r"\[2\.0, 3\.0\].*param group of its own"):
+        gf.load(unfrozen, tmp_path / "u")
