@@ -81,6 +81,19 @@ def test_change_after_compile_is_refused_at_the_next_step_before_any_state_moves
     assert dm.steps == [1, 1]
 
 
+def test_progressive_unfreezing_after_compile_is_refused_at_the_next_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model[0].weight.requires_grad_(False)  # frozen, but in the optimizer: unfrozen later
+    dm = gf.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, _batch())
+    dm(_batch())
+    before = {n: t.clone() for n, t in dm.tensors.items()}
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(gf.UnsupportedError, match=r"parameter 0\.weight: requires_grad changed from False to True"):
+        dm(_batch())
+    assert all(torch.equal(before[n], t) for n, t in dm.tensors.items()) and dm.steps == [1]
+
+
 def test_allowed_changes_still_train():
     """lr from a scheduler, in-place weight loads and dm.load_state_dict are not changes."""
     model, opt, dm = _compiled()

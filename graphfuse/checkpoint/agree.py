@@ -4,6 +4,7 @@ ranks with the same CheckpointError, and a rank that never reports ends the wait
 
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import json
@@ -18,7 +19,9 @@ FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for the others at one exchange of a save or load
 
 _OS_CAUSES = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system"}
-_sequence = itertools.count()  # every rank runs the same exchanges in the same order
+# Exchanges numbered per group: the ranks of one group run the same exchanges in the same
+# order, whatever other groups (with other ranks) did before.
+_sequence: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 
 
 def describe(e: BaseException) -> str:
@@ -84,7 +87,7 @@ class Exchange:
             if error is not None:
                 _raise(op, {0: (type(error).__name__, describe(error))}, error, 0, self.error)
             return [payload]
-        seq = next(_sequence)
+        seq = next(_sequence[self.prefix])
         key = f"{self.prefix}/{seq}/{{}}"
         status = {"payload": payload}
         if error is not None:

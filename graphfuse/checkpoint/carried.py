@@ -16,7 +16,8 @@ def frozen_fqns(dm) -> list[str]:
     """The optimizer's parameters that the compiled step does not train (requires_grad=False)."""
     fqn = {id(p): n for n, p in dm.model.named_parameters()}
     trained = set(dm.layout.fqns) | set(dm.program.signature.aliases)
-    return [fqn[id(p)] for g in dm.optimizer.param_groups for p in g["params"] if fqn.get(id(p)) not in trained | {None}]
+    names = (fqn.get(id(p)) for g in dm.optimizer.param_groups for p in g["params"])
+    return [n for n in names if n is not None and n not in trained]
 
 
 def group_params(dm, groups: tuple[tuple[str, ...], ...]) -> list[list[str]]:
@@ -31,7 +32,7 @@ def group_params(dm, groups: tuple[tuple[str, ...], ...]) -> list[list[str]]:
 
 def keys(dm, available) -> list[str]:
     """The keys among `available` that hold state of a frozen parameter."""
-    frozen = frozen_fqns(dm)
+    frozen = set(frozen_fqns(dm))
     return [k for k in available if k.startswith(PREFIX) and k[len(PREFIX) :].rsplit(".", 1)[0] in frozen]
 
 
