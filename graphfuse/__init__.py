@@ -3,11 +3,6 @@ over one traced training step (forward, backward and optimizer update)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-import torch.distributed as dist
-
 from graphfuse.backend import ShardedOptimizer, shard_optimizer
 from graphfuse.capture import capture
 from graphfuse.errors import (
@@ -28,17 +23,10 @@ from graphfuse.strategy import Strategy
 __version__ = "0.1.0"
 
 
-def compile(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Callable,
-    example_batch,
-    strategy: Strategy | None = None,
-    group: dist.ProcessGroup | None = None,
-) -> DistModel:
-    """Trace one training step of `model` and rewrite it into fused, sharded ZeRO-1 over
-    `group` (the default process group if initialised, else world size 1)."""
-    return DistModel(model, optimizer, loss_fn, example_batch, strategy=strategy, group=group)
+compile = DistModel
+"""`gf.compile(model, optimizer, loss_fn, example_batch, strategy=None, group=None) -> DistModel`:
+trace one training step of `model` and rewrite it into fused, sharded ZeRO-1 over `group` (the
+default process group if initialised, else world size 1). One signature: DistModel's own."""
 
 
 def save(

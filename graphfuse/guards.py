@@ -1,6 +1,7 @@
-"""Guards of a compiled step: what it was specialised on (the model's parameters and modes, the
-optimizer's groups, the batch) is checked at every step by identities and lengths, never tensor
-values; and the bounded cache of programs traced per batch key."""
+"""Guards of a compiled step: the ranks agree that each built its program before the first
+collective; what the step was specialised on (the model's parameters and modes, the optimizer's
+groups, the batch) is checked at every step by identities and lengths, never tensor values; and
+the bounded cache of programs traced per batch key."""
 
 from __future__ import annotations
 
@@ -10,10 +11,35 @@ from dataclasses import dataclass
 
 import torch
 
-from graphfuse.errors import UnsupportedError
+from graphfuse.checkpoint.agree import Exchange
+from graphfuse.errors import GraphfuseError, UnsupportedError
 from graphfuse.program import TensorMeta
 
 REBUILD = "build a new DistModel with gf.compile on the changed model and optimizer"
+
+
+def agree_to_start(dm, program, error: Exception | None, timeout: float | None = None) -> None:
+    """Before gf.compile's first collective (rank 0's weights broadcast into the buckets), every
+    rank says whether it built its program, and with which layout: a failure or another layout
+    on any rank raises on every rank (the failing rank its own error), within `timeout` seconds
+    for a rank that never comes, instead of leaving the others in the broadcast until the
+    process group's timeout."""
+    if dm.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    ex = Exchange(dm.group, dm.rank, dm.world_size, dm.group_name, timeout, error=GraphfuseError)
+    try:
+        layouts = ex("gf.compile (build)", error, None if error else program.layout.fingerprint)
+    except GraphfuseError:
+        if error is not None:
+            raise error from None  # this rank's own error, with its traceback
+        raise
+    if len(set(layouts)) > 1:
+        raise UnsupportedError(
+            f"gf.compile: the ranks built different bucket layouts (fingerprint by rank: {layouts}); every rank "
+            "must compile the same model, optimizer, strategy and example batch shapes"
+        )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
 from graphfuse.errors import UnsupportedError
-from graphfuse.guards import ProgramCache, Snapshot, batch_change, check_batch
+from graphfuse.guards import ProgramCache, Snapshot, agree_to_start, batch_change, check_batch
 from graphfuse.inductor import compile_graph
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import run_pipeline, verify
@@ -179,8 +179,14 @@ class DistModel:
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
         key = batch_key(example_batch)
-        check_batch(key)
-        self._start(self._build(example_batch), key)
+        program, error = None, None
+        try:
+            check_batch(key)
+            program = self._build(example_batch)
+        except Exception as e:  # told to the other ranks before they wait in the weights' broadcast
+            error = e
+        agree_to_start(self, program, error)
+        self._start(program, key)
 
     @classmethod
     def from_program(

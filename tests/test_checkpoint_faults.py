@@ -105,6 +105,25 @@ def faults_group(rank: int, world: int, root: str) -> dict:
     out["late"] = attempt(lambda: gf.load(dm, path, timeout=3))
     out["late_unchanged"] = unchanged(dm, snap)
 
+    # rank 1's read fails inside torch's read, after validation: every rank stops, nothing changes.
+    original_read = dcp_fs.FileSystemReader.read_data
+    if rank == 1:
+
+        def broken_read(self, plan, planner):
+            raise OSError(5, "Input/output error", os.path.join(path, "__1_0.distcp"))
+
+        dcp_fs.FileSystemReader.read_data = broken_read
+    out["read"] = attempt(lambda: gf.load(dm, path))
+    dcp_fs.FileSystemReader.read_data = original_read
+    out["read_unchanged"] = unchanged(dm, snap)
+
+    # rank 1's background write fails: wait() raises on every rank, and the checkpoint stays.
+    if rank == 1:
+        dcp_fs._write_item = denied
+    handle = gf.save(dm, path, async_=True)
+    out["async_write"] = attempt(handle.wait)
+    dcp_fs._write_item = original_item
+
     out["loaded"] = attempt(lambda: gf.load(dm, path))
     out["loaded_is_first_save"] = same_training_state(dm, good)
     out["saved"] = attempt(lambda: gf.save(dm, path))
@@ -158,6 +177,21 @@ def test_a_rank_that_never_comes_ends_the_wait_after_the_timeout(faults):
     msg, _ = faults[1]["late"]
     assert msg is not None and "rank 0" in msg and "gave up" in msg, msg
     assert all(r["late_unchanged"] for r in faults)
+
+
+def test_a_failure_inside_torchs_read_on_one_rank_fails_the_load_on_every_rank_and_changes_nothing(faults):
+    for r in faults:
+        msg, seconds = r["read"]
+        assert msg is not None and "gf.load (read) failed on rank 1" in msg and "Input/output error" in msg, msg
+        assert seconds < 60 and r["read_unchanged"]
+
+
+def test_a_background_write_failure_on_one_rank_is_raised_by_wait_on_every_rank(faults):
+    for r in faults:
+        msg, seconds = r["async_write"]
+        assert msg is not None and "gf.save (write) failed on rank 1" in msg and "Permission denied" in msg, msg
+        assert seconds < 60
+        assert r["loaded"][0] is None and r["loaded_is_first_save"]  # the previous checkpoint stayed
 
 
 def test_ranks_that_catch_the_error_and_continue_stay_in_step(faults):

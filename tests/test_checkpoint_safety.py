@@ -325,7 +325,7 @@ def test_a_file_replaced_while_it_is_read_is_refused_and_changes_nothing(saved, 
     from graphfuse.checkpoint import loading
 
     path = copy_of(saved["balanced"], tmp_path)
-    original = loading.dcp.load
+    original = loading.dcp_load
 
     def load_then_replace(*args, **kwargs):  # another job rewrites the checkpoint meanwhile
         original(*args, **kwargs)
@@ -333,7 +333,7 @@ def test_a_file_replaced_while_it_is_read_is_refused_and_changes_nothing(saved, 
         shutil.copyfile(data, tmp_path / "copy")
         os.replace(tmp_path / "copy", data)
 
-    monkeypatch.setattr(loading.dcp, "load", load_then_replace)
+    monkeypatch.setattr(loading, "dcp_load", load_then_replace)
     assert "changed while it was being loaded" in refused(trained(), path)
 
 
@@ -362,3 +362,21 @@ def test_a_format_1_record_still_loads(saved, tmp_path):
     f.write_text(json.dumps({**d, "format": 1}))
     dm = trained()
     assert gf.load(dm, path) == {"note": 1} and dm.steps == [3]
+
+
+def test_single_process_saves_and_loads_emit_no_warning(tmp_path):
+    import warnings
+
+    from graphfuse.checkpoint.convert import convert
+
+    dm = trained()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mode in ("balanced", "unbalanced"):
+            gf.save(dm, tmp_path / mode, mode=mode)
+            gf.load(dm, tmp_path / mode)
+        gf.save(dm, tmp_path / "async", async_=True).wait()
+        gf.load(dm, tmp_path / "async")
+        dm.load_state_dict(dm.state_dict())
+        convert(str(tmp_path / "unbalanced"), str(tmp_path / "converted"), "balanced")
+    assert [str(w.message) for w in caught] == []

@@ -81,6 +81,19 @@ def test_change_after_compile_is_refused_at_the_next_step_before_any_state_moves
     assert dm.steps == [1, 1]
 
 
+def test_progressive_unfreezing_after_compile_is_refused_at_the_next_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model[0].weight.requires_grad_(False)  # frozen, but in the optimizer: unfrozen later
+    dm = gf.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _loss, _batch())
+    dm(_batch())
+    before = {n: t.clone() for n, t in dm.tensors.items()}
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(gf.UnsupportedError, match=r"parameter 0\.weight: requires_grad changed from False to True"):
+        dm(_batch())
+    assert all(torch.equal(before[n], t) for n, t in dm.tensors.items()) and dm.steps == [1]
+
+
 def test_allowed_changes_still_train():
     """lr from a scheduler, in-place weight loads and dm.load_state_dict are not changes."""
     model, opt, dm = _compiled()
@@ -146,3 +159,45 @@ def test_train_eval_switch_after_compile_warns_that_python_state_is_frozen():
     with pytest.warns(UserWarning, match=r"module model was switched to eval mode after gf.compile.*frozen at trace time"):
         dm(_batch())
     assert dm.steps == [2, 2]  # a warning, not a refusal: the step ran as traced
+
+
+# ---- the ranks agree before gf.compile's first collective (issue 11 item 2) ---------------------
+def _compile_faults(rank: int, world: int) -> dict:
+    """Rank 1's loss_fn raises while tracing; then rank 1's model is wider (another layout); then
+    both compile and train: the failures left the ranks in step."""
+    import time
+
+    def broken(model, batch):
+        if rank == 1:
+            raise ValueError("rank 1's loss_fn is broken")
+        return _loss(model, batch)
+
+    def build(width: int, loss_fn=_loss):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+        return gf.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn, _batch())
+
+    out = {}
+    for name, make in (("raises", lambda: build(16, broken)), ("layout", lambda: build(16 if rank == 0 else 32))):
+        start = time.monotonic()
+        try:
+            make()
+            out[name] = (None, None, time.monotonic() - start)
+        except Exception as e:
+            out[name] = (type(e).__name__, str(e), time.monotonic() - start)
+    out["loss_after"] = build(16)(_batch()).item()
+    return out
+
+
+def test_a_rank_failing_in_gf_compile_ends_compile_on_every_rank_soon_and_they_stay_in_step():
+    from distributed import run_ranks
+
+    r0, r1 = run_ranks(_compile_faults, 2, timeout=240)
+    cls, msg, seconds = r0["raises"]
+    assert cls == "GraphfuseError" and "gf.compile (build) failed on rank 1" in msg and "loss_fn is broken" in msg, msg
+    assert seconds < 60
+    assert r1["raises"][:2] == ("ValueError", "rank 1's loss_fn is broken")  # its own error, unwrapped
+    for r in (r0, r1):
+        cls, msg, _ = r["layout"]
+        assert cls == "UnsupportedError" and "different bucket layouts" in msg, msg
+    assert isinstance(r0["loss_after"], float) and r0["loss_after"] == r1["loss_after"]  # same weights, same batch

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -447,3 +448,22 @@ def test_conv_batchnorm_program_round_trips_and_trains_bitwise(tmp_path):
         assert torch.equal(dm(batch), rebuilt(batch))
     assert torch.equal(dm.model.bn1.running_mean, fresh.bn1.running_mean)
     assert int(fresh.bn2.num_batches_tracked) == len(batches)
+
+
+def test_save_program_replaces_only_its_own_directories_and_leaves_nothing_behind(tmp_path):
+    dm, _ = compile_small("mlp", 0)
+    target = tmp_path / "p"
+    gf.save_program(dm.program, target)
+    gf.save_program(dm.program, target)  # its own: replaced
+    assert sorted(os.listdir(tmp_path)) == ["p"]
+    assert sorted(os.listdir(target)) == ["graph.json", "manifest.json", "program.json"]
+    (target / "notes.txt").write_text("mine")  # a user's file in it: no longer only a program
+    with pytest.raises(gf.GraphfuseError, match="not a program directory"):
+        gf.save_program(dm.program, target)
+    assert (target / "notes.txt").read_text() == "mine"
+    staging = tmp_path / f".q.tmp-{os.getpid()}"  # a user's directory where the writer would stage
+    staging.mkdir()
+    (staging / "data.bin").write_bytes(b"mine")
+    with pytest.raises(gf.GraphfuseError, match="not a program directory"):
+        gf.save_program(dm.program, tmp_path / "q")
+    assert (staging / "data.bin").read_bytes() == b"mine" and not (tmp_path / "q").exists()

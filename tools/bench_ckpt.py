@@ -20,10 +20,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 
-from graphfuse.launch import free_port
+from graphfuse.launch import run_ranks
 
 
 def rss() -> int:
@@ -91,9 +90,8 @@ def bench_graphfuse(rank: int, root: str, args, x: torch.Tensor, drop_cache) -> 
     return out
 
 
-def worker(rank: int, world: int, port: int, args, queue) -> None:
-    torch.set_num_threads(max(1, os.cpu_count() // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+def worker(rank: int, world: int, args) -> dict:
+    """One rank's measurements (graphfuse.launch.run_ranks made its Gloo group)."""
     root, out = args.dir, {}
     x = torch.randn(8, args.width)
 
@@ -131,8 +129,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         drop_cache(path)
     except Exception as e:  # FSDP2 on CPU/Gloo may be unavailable in some builds
         out["DCP FSDP2 error"] = f"{type(e).__name__}: {e}"
-    queue.put((rank, out))
-    dist.destroy_process_group()
+    return out
 
 
 def main() -> None:
@@ -144,15 +141,8 @@ def main() -> None:
     args = p.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get() for _ in procs)
-    for proc in procs:
-        proc.join()
+    threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    results = dict(enumerate(run_ranks(worker, args.world_size, args, threads=threads, timeout=3600)))
     shutil.rmtree(args.dir, ignore_errors=True)
 
     params = args.layers * (args.width * args.width + args.width)

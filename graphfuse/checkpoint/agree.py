@@ -4,6 +4,7 @@ ranks with the same CheckpointError, and a rank that never reports ends the wait
 
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import json
@@ -12,13 +13,15 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from graphfuse.errors import CheckpointError, CheckpointMismatchError
+from graphfuse.errors import CheckpointError, CheckpointMismatchError, GraphfuseError
 
 FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for the others at one exchange of a save or load
 
 _OS_CAUSES = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system"}
-_sequence = itertools.count()  # every rank runs the same exchanges in the same order
+# Exchanges numbered per group: the ranks of one group run the same exchanges in the same
+# order, whatever other groups (with other ranks) did before.
+_sequence: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 
 
 def describe(e: BaseException) -> str:
@@ -35,10 +38,22 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _raise(op: str, failures: dict[int, tuple[str, str]], local: BaseException | None, rank: int) -> None:
+def origin(e: BaseException | None, rank: int) -> int:
+    """The rank where `e` began: inside DCP every rank raises a CheckpointException that names
+    the failing rank (also when a graphfuse error wraps it); otherwise this rank."""
+    while e is not None:
+        if isinstance(e, CheckpointException) and e.failures:
+            return min(e.failures)
+        e = e.__cause__ or e.__context__
+    return rank
+
+
+def _raise(
+    op: str, failures: dict[int, tuple[str, str]], local: BaseException | None, rank: int, base: type = CheckpointError
+) -> None:
     first = min(failures)
     cls_name, msg = failures[first]
-    cls = CheckpointMismatchError if cls_name == "CheckpointMismatchError" else CheckpointError
+    cls = CheckpointMismatchError if cls_name == "CheckpointMismatchError" and base is CheckpointError else base
     others = sorted(set(failures) - {first})
     also = f" (ranks {others} failed too)" if others else ""
     text = f"{op} failed on rank {first}: {msg}{also}"
@@ -48,10 +63,15 @@ def _raise(op: str, failures: dict[int, tuple[str, str]], local: BaseException |
 
 
 class Exchange:
-    """All ranks of `group` meet at each call with their status; any error raises on all."""
+    """All ranks of `group` meet at each call with their status; any error raises on all, as
+    `error` (CheckpointError for saves and loads)."""
 
-    def __init__(self, group, rank: int, world_size: int, group_name: str, timeout: float | None) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(
+        self, group, rank: int, world_size: int, group_name: str, timeout: float | None, error: type = CheckpointError
+    ) -> None:
+        self.rank, self.world_size, self.error = rank, world_size, error
+        if not issubclass(error, GraphfuseError):
+            raise TypeError(f"error must be a GraphfuseError class, got {error!r}")
         self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         if not self.timeout > 0:
             raise CheckpointError(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -65,11 +85,13 @@ class Exchange:
         every rank the first failing rank's error (or a timeout naming the missing ranks)."""
         if self.world_size == 1:
             if error is not None:
-                _raise(op, {0: (type(error).__name__, describe(error))}, error, 0)
+                _raise(op, {0: (type(error).__name__, describe(error))}, error, 0, self.error)
             return [payload]
-        seq = next(_sequence)
+        seq = next(_sequence[self.prefix])
         key = f"{self.prefix}/{seq}/{{}}"
-        status = {"payload": payload} if error is None else {"error": [type(error).__name__, describe(error)]}
+        status = {"payload": payload}
+        if error is not None:
+            status = {"error": [type(error).__name__, describe(error)], "origin": origin(error, self.rank)}
         self.store.set(key.format(self.rank), json.dumps(status))
         keys = [key.format(r) for r in range(self.world_size)]
         abandoned = f"{self.prefix}/{seq}/abandoned"
@@ -81,16 +103,19 @@ class Exchange:
             late = {
                 r: ("CheckpointError", f"no report within {self.timeout:g} s (it failed or hangs)") for r in missing
             }
-            _raise(op, late, error, self.rank)
+            _raise(op, late, error, self.rank, self.error)
         if self.store.check([abandoned]):
             gave_up = int(self.store.get(abandoned))
-            _raise(op, {gave_up: ("CheckpointError", "gave up waiting for the other ranks")}, error, self.rank)
+            _raise(op, {gave_up: ("CheckpointError", "gave up waiting for the other ranks")}, error, self.rank, self.error)
         statuses = [json.loads(self.store.get(k)) for k in keys]
         if seq >= 2:  # every rank has read exchange seq-2 before it reported at seq-1
             self.store.delete_key(f"{self.prefix}/{seq - 2}/{self.rank}")
-        failures = {r: tuple(s["error"]) for r, s in enumerate(statuses) if "error" in s}
+        failures: dict[int, tuple[str, str]] = {}  # by the rank each failure began on
+        for r, s in enumerate(statuses):
+            if "error" in s:
+                failures.setdefault(s.get("origin", r), tuple(s["error"]))
         if failures:
-            _raise(op, failures, error, self.rank)
+            _raise(op, failures, error, self.rank, self.error)
         return [s["payload"] for s in statuses]
 
 

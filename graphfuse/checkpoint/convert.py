@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from graphfuse import atomic_dir
 from graphfuse.checkpoint import directory, record
 from graphfuse.checkpoint.storage import (
     DCP_META,
@@ -23,6 +24,8 @@ from graphfuse.checkpoint.storage import (
     VerifiedReader,
     check_files,
     crc32,
+    dcp_load,
+    dcp_save,
     file_records,
     read_dcp_metadata,
 )
@@ -61,8 +64,9 @@ def _balanced(source: dict, states: dict) -> dict:
     for key, value in source.items():
         if key.startswith("model."):
             out["model"][key[6:]] = value
-        elif key.startswith("optim.state.") and key.endswith(".step"):
-            out["optim"]["state"].setdefault(key[12:-5], {})["step"] = value
+        elif key.startswith("optim.state."):  # steps, and the carried state of frozen parameters
+            fqn, name = key[12:].rsplit(".", 1)
+            out["optim"]["state"].setdefault(fqn, {})[name] = value
         elif key.startswith("optim.param_groups."):
             g, name = key[len("optim.param_groups.") :].split(".", 1)
             groups = out["optim"]["param_groups"]
@@ -90,7 +94,7 @@ def convert(src: str, dst: str, to: str, progress: Progress = lambda stage: None
         k: torch.empty(tuple(e.size), dtype=e.properties.dtype) if isinstance(e, TensorStorageMetadata) else None
         for k, e in md.state_dict_metadata.items()
     }
-    dcp.load(source, storage_reader=VerifiedReader(src_dir, md), planner=LoadPlanner(), no_dist=True)
+    dcp_load(source, VerifiedReader(src_dir, md), LoadPlanner(), None, single=True)
     progress("assembling states")
     states, count = _states(layout, rec.shards, source, src_dir)
     out = _balanced(source, states)
@@ -98,16 +102,16 @@ def convert(src: str, dst: str, to: str, progress: Progress = lambda stage: None
     tmp, _ = directory.siblings(dst_dir)
     save_id = uuid.uuid4().hex
     directory.begin(tmp, save_id)
-    dcp.save(out, storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=1, sync_files=True), no_dist=True)
+    dcp_save(out, dcp.FileSystemWriter(str(tmp), thread_count=1, sync_files=True), None, None, single=True)
     files = file_records(tmp, 0)
     if (src_dir / EXTRA_FILE).exists():
         blob = (src_dir / EXTRA_FILE).read_bytes()
         if EXTRA_FILE in rec.files and crc32(src_dir / EXTRA_FILE) != rec.files[EXTRA_FILE]["crc32"]:
             raise CheckpointError(f"{src_dir / EXTRA_FILE}: contents differ from when it was saved (CRC-32 mismatch)")
-        directory.write_file(tmp / EXTRA_FILE, blob)
+        atomic_dir.write_file(tmp / EXTRA_FILE, blob)
         files[EXTRA_FILE] = {"bytes": len(blob), "crc32": crc32(tmp / EXTRA_FILE)}
     new = dataclasses.replace(rec, format=record.FORMAT, mode="balanced", files=files, save_id=save_id)
-    directory.write_file(tmp / META_FILE, new.to_json().encode())
+    atomic_dir.write_file(tmp / META_FILE, new.to_json().encode())
     if os.path.lexists(dst_dir):
         raise CheckpointError(f"{dst_dir}: appeared while converting; choose a new destination")
     directory.publish(tmp, dst_dir)

@@ -1,21 +1,24 @@
-"""The one atomic-directory protocol of checkpoints (gf.save and `ckpt convert`): write into
-`<path>.saving`, fsync, move `<path>` to `<path>.old`, rename, remove `.old`; and never replace
-a directory graphfuse did not write."""
+"""Checkpoint directories on graphfuse.atomic_dir (gf.save and `ckpt convert`): staged in
+`<path>.saving`, the previous one kept at `<path>.old` until the new one is in place; never
+replacing a directory graphfuse did not write. And the lock of a save in progress."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import time
 from pathlib import Path
 
+from graphfuse import atomic_dir
 from graphfuse.checkpoint.storage import DATA_FILE, DCP_META, EXTRA_FILE, META_FILE
 from graphfuse.errors import CheckpointError
 
-MARKER = ".graphfuse"  # written first into a staging directory: {"save_id", "host", "pid"}
-_OURS = {META_FILE, EXTRA_FILE, DCP_META, DCP_META + ".tmp", MARKER}
+_NAMES = {META_FILE, EXTRA_FILE, DCP_META, DCP_META + ".tmp"}
+CHECKPOINT = atomic_dir.Kind(
+    "graphfuse checkpoint", lambda name: name in _NAMES or bool(DATA_FILE.fullmatch(name)), META_FILE, CheckpointError
+)
+is_ours, check_replaceable, remove = CHECKPOINT.ours, CHECKPOINT.check_replaceable, CHECKPOINT.remove
 
 
 def siblings(final: Path) -> tuple[Path, Path]:
@@ -23,85 +26,14 @@ def siblings(final: Path) -> tuple[Path, Path]:
     return final.with_name(final.name + ".saving"), final.with_name(final.name + ".old")
 
 
-def is_ours(d: Path) -> bool:
-    """Whether directory `d` is a graphfuse checkpoint or a save's staging directory: it holds
-    only the file names graphfuse writes, and its record or its marker."""
-    names = set()
-    for e in d.iterdir():
-        if e.is_symlink() or not e.is_file():
-            return False
-        if e.name not in _OURS and not DATA_FILE.fullmatch(e.name):
-            return False
-        names.add(e.name)
-    return META_FILE in names or MARKER in names
-
-
-def check_replaceable(p: Path) -> None:
-    """Refuse to write at (or remove) `p` unless nothing is there, an empty directory, or a
-    checkpoint graphfuse wrote; the error names what is there and the way out."""
-    if not os.path.lexists(p):
-        return
-    if p.is_symlink() or not p.is_dir():
-        kind = "a symbolic link" if p.is_symlink() else "a file"
-        raise CheckpointError(f"{p}: is {kind}, not a graphfuse checkpoint; choose another path or move it away")
-    if not any(p.iterdir()) or is_ours(p):
-        return
-    shown = sorted(e.name for e in p.iterdir())[:3]
-    raise CheckpointError(
-        f"{p}: exists and is not a graphfuse checkpoint (it holds {shown}...); graphfuse replaces only "
-        "checkpoints it wrote: choose another path, or move that directory away"
-    )
-
-
-def remove(p: Path) -> None:
-    """Remove a directory graphfuse wrote (checked again: a user may have put files in it)."""
-    if os.path.lexists(p):
-        check_replaceable(p)
-        shutil.rmtree(p)
-
-
-def fsync(p: Path) -> None:
-    """Flush a file or a directory (its entries: creations and renames) to the device."""
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def begin(tmp: Path, save_id: str) -> None:
-    """A fresh, empty staging directory at `tmp` holding only the marker with `save_id`."""
-    remove(tmp)
-    tmp.mkdir(parents=True)
-    (tmp / MARKER).write_text(json.dumps({"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid()}))
-    fsync(tmp / MARKER)
-    fsync(tmp)
-    fsync(tmp.parent)
-
-
-def write_file(f: Path, data: bytes) -> None:
-    """Write and flush `f` (graphfuse.json, extra.pt) before any rename can publish it."""
-    with open(f, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """A fresh, empty staging directory at `tmp`, marked with `save_id`."""
+    atomic_dir.begin(CHECKPOINT, tmp, save_id=save_id)
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Make the complete, flushed staging directory `tmp` the checkpoint at `final`; the
-    previous one is removed only once the new one is in place (and flushed)."""
-    _, old = siblings(final)
-    fsync(tmp)
-    parent = final.parent
-    if os.path.lexists(final):
-        check_replaceable(final)
-        remove(old)
-        final.rename(old)  # between these two renames, `load` falls back to <path>.old
-        fsync(parent)
-    tmp.rename(final)
-    fsync(parent)
-    remove(old)
-    fsync(parent)
+    """Make the complete, flushed staging directory `tmp` the checkpoint at `final`."""
+    atomic_dir.publish(CHECKPOINT, tmp, final, siblings(final)[1])
 
 
 # ---- the lock: one saver at a time, and loaders told to wait --------------------------------

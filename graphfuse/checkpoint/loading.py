@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from graphfuse.checkpoint import directory, record, state
+from graphfuse.checkpoint import carried, directory, record, state
 from graphfuse.checkpoint.agree import FAILURES, describe, exchange
 from graphfuse.checkpoint.plan import Piece, StatePlan
 from graphfuse.checkpoint.record import Record
@@ -25,6 +24,7 @@ from graphfuse.checkpoint.storage import (
     VerifiedReader,
     check_files,
     crc32,
+    dcp_load,
     identity,
     read_dcp_metadata,
     tensor_md,
@@ -44,6 +44,7 @@ class _Checked:
     derived: list[tuple[Piece, Piece]]
     small: dict  # step states, and a plain checkpoint's param groups
     staged: dict  # a staging buffer for every target, allocated before the ranks agree
+    frozen: dict  # the carried optimizer state of parameters frozen here (carried.py)
     seen: dict[str, tuple]  # identity of every file read, to see that none changes meanwhile
     extra: object
     groups: list[dict] | None
@@ -73,6 +74,7 @@ def load(dm, path: str | os.PathLike, timeout: float | None = None):
         for live, new in pairs:
             live.copy_(new)
     state.apply(dm, checked.derived, steps, groups)
+    carried.hold(dm, checked.frozen)
     return checked.extra
 
 
@@ -91,10 +93,14 @@ def _validate(dm, p: StatePlan, where: Path) -> _Checked:
     small: dict = {k: torch.zeros(tuple(tensor_md(md, k, where).size)) for k in state.step_keys(p)}
     if rec is None:  # a plain checkpoint's param groups are in the data, read with the steps
         small.update({k: None for k in md.state_dict_metadata if k.startswith("optim.param_groups.")})
-    seen |= check_files(where, md, rec.files if rec else None, set(wanted) | set(small))
+    frozen = {}
+    for k in carried.keys(dm, md.state_dict_metadata):
+        entry = tensor_md(md, k, where)
+        frozen[k] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    seen |= check_files(where, md, rec.files if rec else None, set(wanted) | set(small) | set(frozen))
     groups = state.check_groups(dm, p, rec.param_groups, name) if rec else None
     staged = {k: _stage(t) for k, t in wanted.items()}  # may run out of memory: before the exchange
-    return _Checked(where, rec, md, wanted, derived, small, staged, seen, _read_extra(where, rec), groups)
+    return _Checked(where, rec, md, wanted, derived, small, staged, frozen, seen, _read_extra(where, rec), groups)
 
 
 def _stage(target):
@@ -107,9 +113,9 @@ def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict]]:
     """Read every target into a staging copy and check what only the data can tell: the
     steps, a plain checkpoint's param groups, and that no file changed while it was read."""
     staged = c.staged
-    into = {**staged, **c.small}
+    into = {**staged, **c.small, **c.frozen}
     try:
-        dcp.load(into, storage_reader=VerifiedReader(c.where, c.md), planner=LoadPlanner(), process_group=dm.group)
+        dcp_load(into, VerifiedReader(c.where, c.md), LoadPlanner(), dm.group, single=dm.world_size == 1)
     except FAILURES as e:
         raise CheckpointError(f"{c.where}: reading failed, {describe(e)}") from None
     for name, before in c.seen.items():
@@ -118,7 +124,10 @@ def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict]]:
                 f"{c.where / name}: changed while it was being loaded (another job saving to {c.where}?); load again"
             )
     name = str(c.where)
-    steps = state.steps_of(p, c.record, lambda k: into[k].item(), lambda k: k in c.md.state_dict_metadata, name)
+    has = c.md.state_dict_metadata.__contains__
+    steps = state.steps_of(
+        p, c.record, lambda k: into[k].item(), has, name, lambda g: carried.step_of_group(dm, g, lambda k: into[k].item(), has)
+    )
     groups = c.groups
     if groups is None:
         saved: list[dict] = []

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from graphfuse import atomic_dir
 from graphfuse.checkpoint import directory, state
 from graphfuse.checkpoint.agree import FAILURES, Exchange, describe, exchange
 from graphfuse.checkpoint.record import Record
@@ -26,6 +27,7 @@ from graphfuse.checkpoint.storage import (
     Chunks,
     SavePlanner,
     crc32,
+    dcp_save,
     file_records,
     read_dcp_metadata,
     verify_files,
@@ -163,7 +165,7 @@ def _write_and_publish(dm, ex: Exchange, group, sd: dict, rec: Record, tmp: Path
     try:
         writer = dcp.FileSystemWriter(str(tmp), thread_count=1, sync_files=True)
         try:
-            dcp.save(sd, storage_writer=writer, planner=SavePlanner(), process_group=group)
+            dcp_save(sd, writer, SavePlanner(), group, single=dm.world_size == 1)
         except FAILURES as e:
             raise CheckpointError(f"{tmp}: writing failed, {describe(e)}") from None
         records = file_records(tmp, dm.rank)
@@ -186,8 +188,8 @@ def _finish(rec: Record, tmp: Path, final: Path, files: dict, blob: bytes | None
     md = read_dcp_metadata(tmp, files.get(DCP_META))
     verify_files(tmp, files, md)
     if blob is not None:
-        directory.write_file(tmp / EXTRA_FILE, blob)
+        atomic_dir.write_file(tmp / EXTRA_FILE, blob)
         files[EXTRA_FILE] = {"bytes": len(blob), "crc32": crc32(tmp / EXTRA_FILE)}
     rec = dataclasses.replace(rec, files=files, save_id=save_id)
-    directory.write_file(tmp / META_FILE, rec.to_json().encode())
+    atomic_dir.write_file(tmp / META_FILE, rec.to_json().encode())
     directory.publish(tmp, final)

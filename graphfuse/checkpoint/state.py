@@ -10,8 +10,9 @@ import torch
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
+from graphfuse.checkpoint import carried
 from graphfuse.checkpoint.plan import MASTER, Piece, StatePlan, plan_of
-from graphfuse.checkpoint.record import FORMAT, MODES, Record, from_dict
+from graphfuse.checkpoint.record import FORMAT, MODES, Record
 from graphfuse.checkpoint.storage import Chunks
 from graphfuse.errors import CheckpointError, CheckpointMismatchError, UnsupportedError
 
@@ -71,11 +72,21 @@ def _jsonable(v):
 
 
 def _param_groups(dm, p: StatePlan) -> list[dict]:
-    """optim.param_groups as get_state_dict lays them out: hyper-parameters and FQNs."""
-    return [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": list(p.groups[i])}
-        for i, g in enumerate(dm.optimizer.param_groups)
-    ]
+    """optim.param_groups as get_state_dict lays them out: hyper-parameters and FQNs (frozen too)."""
+    params = carried.group_params(dm, p.groups)
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": params[i]} for i, g in enumerate(dm.optimizer.param_groups)]
+
+
+def saved_steps(dm, p: StatePlan) -> list[int]:
+    """Each group's step counter to save: a group that trains nothing keeps its frozen
+    parameters' carried step (its own counter runs on with nothing to count)."""
+    held = carried.held(dm)
+    steps = list(dm.steps)
+    for g in p.step_groups:
+        values = set(carried.step_of_group(dm, g, lambda k: held[k].item(), held.__contains__))
+        if not p.groups[g] and len(values) == 1:
+            steps[g] = int(next(iter(values)))
+    return steps
 
 
 def record_of(dm, p: StatePlan, mode: str, files: dict | None = None, save_id: str | None = None) -> Record:
@@ -90,7 +101,7 @@ def record_of(dm, p: StatePlan, mode: str, files: dict | None = None, save_id: s
         aliases=dict(program.signature.aliases),
         groups=[list(g) for g in p.groups],
         step_groups=list(p.step_groups),
-        steps=list(dm.steps),
+        steps=saved_steps(dm, p),
         param_groups=[{k: _jsonable(v) for k, v in g.items()} for g in _param_groups(dm, p)],
         files=files or {},
         torch=torch.__version__,
@@ -110,6 +121,7 @@ def state_dict(dm, mode: str | None = None) -> dict:
     for path, pieces in _by_key(p.saved(mode)).items():
         _set(sd, path, _value(dm, pieces))
     sd["model"].update(_other_model_entries(dm))
+    carried.add_to(sd, dm)
     for g in p.step_groups:
         for fqn in p.groups[g]:
             sd["optim"]["state"].setdefault(fqn, {})["step"] = torch.tensor(float(dm.steps[g]))
@@ -214,17 +226,25 @@ def check_groups(dm, p: StatePlan, saved: list[dict], where: str) -> list[dict]:
     return out
 
 
-def steps_of(p: StatePlan, record: Record | None, read_step: Callable, has: Callable, where: str) -> list[int]:
+def steps_of(
+    p: StatePlan, record: Record | None, read_step: Callable, has: Callable, where: str, frozen_steps: Callable
+) -> list[int]:
     """Each group's step counter, taken from the data (Adam's `step` states) and checked
-    against graphfuse.json; for SGD, the record's, or 1 when a momentum buffer exists."""
+    against graphfuse.json; for SGD, the record's, or 1 when a momentum buffer exists. A group
+    that trains nothing takes its frozen parameters' steps (`frozen_steps(g)`), else the record's."""
     steps = []
     for g, fqns in enumerate(p.groups):
         if g in p.step_groups:
-            seen = {float(read_step(f"optim.state.{f}.step")) for f in fqns} or {0.0}
+            seen = {float(read_step(f"optim.state.{f}.step")) for f in fqns} or set(frozen_steps(g))
+            if not seen:
+                steps.append(record.steps[g] if record is not None else 0)
+                continue
             value = next(iter(seen)) if len(seen) == 1 else None
             if value is None or not value.is_integer() or value < 0:
                 raise CheckpointError(
-                    f"{where}: param group {g}'s step states are not one whole number: {sorted(seen)}"
+                    f"{where}: param group {g}'s step states are not one whole number: {sorted(seen)}; graphfuse "
+                    "keeps one step per param group (a parameter frozen for a while and trained again needs a "
+                    "param group of its own)"
                 )
             if record is not None and record.steps[g] != int(value):
                 raise CheckpointError(
@@ -246,82 +266,3 @@ def apply(dm, derived: list[tuple[Piece, Piece]], steps: list[int], groups: list
     dm.steps = list(steps)
     for group, values in zip(dm.optimizer.param_groups, groups):
         group.update(values)
-
-
-# ---- in memory ------------------------------------------------------------------------
-def _lookup(sd: dict, key_path: tuple[str, ...]):
-    d = sd
-    for k in key_path:
-        if not isinstance(d, dict) or k not in d:
-            return None
-        d = d[k]
-    return d
-
-
-def _split(key: str) -> tuple[str, ...]:
-    """A target key back into its state-dict path: "model.<fqn>", "optim.state.<fqn>.<s>" or "slice@..."."""
-    if key.startswith("model."):
-        return ("model", key[6:])
-    if key.startswith("optim.state."):
-        fqn, state = key[12:].rsplit(".", 1)
-        return ("optim", "state", fqn, state)
-    return (key,)
-
-
-def _pairs(key: str, target, source, where: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(destination view, source tensor) pairs that fill `target` from an in-memory value."""
-    tchunks = target.chunks if isinstance(target, Chunks) else [((0,) * target.dim(), tuple(target.shape), target)]
-    if isinstance(source, torch.Tensor):
-        return [(v, source[tuple(slice(o, o + s) for o, s in zip(off, sz))]) for off, sz, v in tchunks]
-    held = {(tuple(off), tuple(sz)): t for off, sz, t in source.chunks}
-    out = []
-    for off, sz, v in tchunks:
-        src = held.get((tuple(off), tuple(sz)))
-        if src is None:
-            raise CheckpointMismatchError(
-                f"{where}: key {key!r} lacks the chunk at offsets {tuple(off)} of size {tuple(sz)} this rank holds; "
-                "an in-memory state dict loads only at the layout it came from; use gf.save and gf.load to reshard"
-            )
-        out.append((v, src))
-    return out
-
-
-def load_state_dict(dm, sd: dict) -> None:
-    """Copy `sd` (from state_dict, or a plain {"model", "optim"} of full tensors) into the
-    live buffers, after validating every key, shape, dtype, step and the layout."""
-    where, p = "state dict", plan(dm)
-    record = from_dict(sd["graphfuse"], where) if sd.get("graphfuse") is not None else None
-    mode = record.mode if record else "balanced"
-    if record:
-        check_layout(dm, p, record, where)
-        check_optimizer(dm, record, where)
-
-    def has(key: str) -> bool:
-        return _lookup(sd, _split(key)) is not None
-
-    def get(key: str):
-        source = _lookup(sd, _split(key))
-        if not isinstance(source, (torch.Tensor, Chunks)):
-            raise CheckpointError(
-                f"{where}: key {key!r} is missing" if source is None else f"{where}: key {key!r} is not a tensor"
-            )
-        return source
-
-    wanted, derived = targets(dm, p, mode, has)
-    pairs = []
-    for key, target in wanted.items():
-        source = get(key)
-        check_tensor(key, target, tuple(source.size()), source.dtype, where)
-        pairs += _pairs(key, target, source, where)
-    for dst, src in pairs:
-        if dst.shape != src.shape:
-            raise CheckpointMismatchError(
-                f"{where}: a chunk of shape {tuple(src.shape)} cannot fill one of {tuple(dst.shape)}"
-            )
-    steps = steps_of(p, record, lambda k: get(k).item(), has, where)
-    saved_groups = record.param_groups if record else (_lookup(sd, ("optim", "param_groups")) or [])
-    groups = check_groups(dm, p, saved_groups, where)
-    with torch.no_grad():
-        for dst, src in pairs:
-            dst.copy_(src)
-    apply(dm, derived, steps, groups)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
@@ -214,6 +215,30 @@ def tensor_md(md: Metadata, key: str, path: Path) -> TensorStorageMetadata:
     if not isinstance(entry, TensorStorageMetadata):
         raise CheckpointError(f"{path / DCP_META}: key {key!r} holds an object, not a tensor")
     return entry
+
+
+# ---- calling DCP -------------------------------------------------------------------------
+try:  # DCP's core: its public save/load warn on every single-process call, even when told no_dist
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+except ImportError:  # another torch: the public calls (and their warning) still work
+    _save_state_dict = _load_state_dict = None
+
+
+def dcp_save(sd: dict, writer, planner, group, single: bool) -> None:
+    """dcp.save over `group`, or in this process alone (`single`) without DCP's warning."""
+    if single and _save_state_dict is not None:
+        _save_state_dict(state_dict=sd, storage_writer=writer, planner=planner, no_dist=True)
+    else:
+        dcp.save(sd, storage_writer=writer, planner=planner, process_group=group, no_dist=single)
+
+
+def dcp_load(sd: dict, reader, planner, group, single: bool) -> None:
+    """dcp.load into `sd` (plain tensors and Chunks, no Stateful) over `group`, or alone."""
+    if single and _load_state_dict is not None:
+        _load_state_dict(state_dict=sd, storage_reader=reader, planner=planner, no_dist=True)
+    else:
+        dcp.load(sd, storage_reader=reader, planner=planner, process_group=group, no_dist=single)
 
 
 # ---- files ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The files of a program directory: the manifest, reading listed files safely (regular files
-inside the directory only, size caps before reading, SHA-256 checked), and the atomic write."""
+inside the directory only, size caps before reading, SHA-256 checked), and the atomic write
+(graphfuse.atomic_dir)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
 from pathlib import Path
 
+from graphfuse import atomic_dir
 from graphfuse.errors import GraphfuseError, ProgramFormatError
 
 from .limits import MAX_BYTES
@@ -135,31 +136,13 @@ def json_bytes(obj) -> bytes:
     return (json.dumps(obj, indent=1, allow_nan=False, ensure_ascii=False) + "\n").encode()
 
 
+PROGRAM_DIR = atomic_dir.Kind("program directory", lambda name: name in (MANIFEST, *FILES), MANIFEST, GraphfuseError)
+
+
 def write_dir(path: Path, files: dict[str, bytes]) -> None:
     """Write `files` as the directory `path`, replacing it atomically if it holds a program
-    (or is empty); anything else at `path` is refused and left alone."""
-    if path.exists() and not (path.is_dir() and ((path / MANIFEST).is_file() or not any(path.iterdir()))):
-        raise GraphfuseError(f"{path} exists and is not a program directory; choose another path or remove it")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, data in files.items():
-        with open(tmp / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    (or is empty); anything else at `path` is refused and left alone. Staged per process, so
+    that ranks writing the same program (same bytes) do not remove each other's staging."""
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    previous = path.with_name(f".{path.name}.old-{os.getpid()}")
+    atomic_dir.write_dir(PROGRAM_DIR, path, files, staging, previous)
