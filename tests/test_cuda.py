@@ -67,10 +67,10 @@ def test_inductor_program_on_cuda_writes_buckets_in_place():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
-def test_nccl_group_of_one_and_bf16_master_weights():
+def test_nccl_group_of_one_and_bf16_master_weights(tmp_path):
     if not dist.is_nccl_available():
         pytest.skip("this torch build has no NCCL")
-    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         batches = _batches()
         model = _gpt().to(torch.bfloat16)
