@@ -54,6 +54,8 @@ def save(
     write in the background and return a handle whose `wait()` joins it."""
     from graphfuse import checkpoint
 
+    if isinstance(dm, DistModel):
+        dm.sync()  # a deferred all-gather (Strategy.overlap_param_gather) leaves the model's views a step old
     return checkpoint.save(dm, path, mode=mode, extra=extra, timeout=timeout, async_=async_)
 
 
@@ -61,7 +63,10 @@ def load(dm: DistModel, path, timeout: float | None = None):
     """Load the checkpoint at `path` into `dm` in place; returns the `extra` saved with it."""
     from graphfuse import checkpoint
 
-    return checkpoint.load(dm, path, timeout=timeout)
+    extra = checkpoint.load(dm, path, timeout=timeout)
+    if isinstance(dm, DistModel):
+        dm.loaded()
+    return extra
 
 
 __all__ = [

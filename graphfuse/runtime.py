@@ -17,6 +17,7 @@ from graphfuse.errors import UnsupportedError
 from graphfuse.guards import ProgramCache, Snapshot, batch_change, check_batch
 from graphfuse.inductor import compile_graph
 from graphfuse.layout import BucketLayout
+from graphfuse.param_state import ParamState, gather_shards
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.passes._graph import is_collective
 from graphfuse.passes.sharded_update import MASTER
@@ -129,8 +130,17 @@ def run_step(
         if not getattr(fn, "writes_in_place", False):
             for spec, out in zip(program.signature.outputs, outs):
                 if spec.target is not None:
-                    tensors[spec.target].copy_(out)
+                    destination(program, tensors, spec).copy_(out)
     return outs
+
+
+def destination(program: Program, tensors: dict[str, torch.Tensor], spec: sig.OutputSpec) -> torch.Tensor:
+    """Where output `spec` is written: its target input, or for a bucket's shard (deferred
+    all-gather) this rank's range of the bucket."""
+    if spec.role == sig.NEW_BUCKET_SHARD:
+        bucket = next(b for b in program.layout.buckets if b.name == spec.target)
+        return tensors[spec.target][slice(*bucket.shard_range(program.rank))]
+    return tensors[spec.target]
 
 
 def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Callable:
@@ -144,7 +154,11 @@ def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Ca
     results = list(out.args[0])
     with graph.inserting_before(out):
         for spec, node in zip(program.signature.outputs, results):
-            if spec.target is not None:
+            if spec.role == sig.NEW_BUCKET_SHARD:
+                bucket = next(b for b in program.layout.buckets if b.name == spec.target)
+                into = graph.call_function(torch.ops.aten.slice.Tensor, (inputs[spec.target], 0, *bucket.shard_range(program.rank)))
+                graph.call_function(torch.ops.aten.copy_.default, (into, node))
+            elif spec.target is not None:
                 graph.call_function(torch.ops.aten.copy_.default, (inputs[spec.target], node))
     out.args = (tuple(r for s, r in zip(program.signature.outputs, results) if s.target is None),)
     gm.recompile()
@@ -178,6 +192,7 @@ class DistModel:
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
+        self.params = ParamState()
         key = batch_key(example_batch)
         check_batch(key)
         self._start(self._build(example_batch), key)
@@ -199,6 +214,7 @@ class DistModel:
         self = cls.__new__(cls)
         self.model, self.optimizer, self.loss_fn = model, optimizer, None
         self.strategy = program.strategy
+        self.params = ParamState()
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         if (self.world_size, self.rank) != (program.world_size, program.rank):
             raise UnsupportedError(
@@ -232,6 +248,7 @@ class DistModel:
         # batch key -> (program, its executable; None until the first step compiles it)
         self._programs = ProgramCache(self.strategy.program_cache_size)
         self._programs[key] = (program, self._eager(program))
+        self.params.start(program, self.model)
 
     @property
     def layout(self) -> BucketLayout:
@@ -239,7 +256,8 @@ class DistModel:
 
     # ---- building -------------------------------------------------------------------
     def _build(self, batch) -> Program:
-        program = capture(self.model, self.optimizer, self.loss_fn, batch, self.strategy)
+        with self.params.tracing():
+            program = capture(self.model, self.optimizer, self.loss_fn, batch, self.strategy)
         program = program.with_(world_size=self.world_size, rank=self.rank, group_name=self.group_name)
         program = run_pipeline(program)
         return verify(program)
@@ -291,6 +309,7 @@ class DistModel:
         steps = [s + 1 for s in self.steps]
         outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, leaves)
         self.steps = steps
+        self.params.stale = self.params.deferred  # other ranks' ranges of the buckets are a step old
         self.optimizer._opt_called = True  # the optimizer has stepped: LR schedulers check this
         return outs[0]
 
@@ -301,6 +320,7 @@ class DistModel:
         """The training state in checkpoint `mode` (default: strategy.checkpoint_mode)."""
         from graphfuse import checkpoint
 
+        self.sync()
         return checkpoint.state_dict(self, mode)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -308,14 +328,31 @@ class DistModel:
         from graphfuse import checkpoint
 
         checkpoint.load_state_dict(self, state_dict)
+        self.loaded()
 
     # ---- views ----------------------------------------------------------------------
     def named_slices(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's `slice@<fqn>` views: the parameter's data in the bucket shard, and
-        `slice@<fqn>.<state>` in every state shard (and `.master`), padding excluded."""
+        `slice@<fqn>.<state>` in every state shard (and `.master`), padding excluded. Current
+        without `sync()` (a rank's own shard is always current), so no collective runs here."""
         for bucket in self.layout.buckets:
             shards = [n for n in self.tensors if n.startswith(bucket.name + ".")]
             for s in bucket.slices(self.rank):
                 yield f"slice@{s.fqn}", self.tensors[bucket.name][slice(*bucket.bucket_range(self.rank, s))]
                 for name in shards:
                     yield f"slice@{s.fqn}.{name.split('.', 1)[1]}", self.tensors[name][slice(*s.shard_range)]
+
+    # ---- deferred parameter all-gather (Strategy.overlap_param_gather) ----------------
+    def sync(self) -> None:
+        """Make the model's parameters current. A step with `Strategy.overlap_param_gather` ends
+        with only this rank's shard of each bucket updated (the next step gathers them at its
+        head); this all-gathers them into the buckets now. A collective: call it on every rank.
+        Returns at once when nothing is stale (every step without deferral, or called twice)."""
+        if self.params.stale:
+            gather_shards(self.program, self.tensors, self.group, host=self.strategy.stage_collectives_on_host is True)
+            self.params.stale = False
+
+    def loaded(self) -> None:
+        """Training state was copied in (load_state_dict, gf.load): this rank's shards are
+        current; other ranks' ranges are gathered by the next sync or step."""
+        self.params.stale = self.params.deferred

@@ -14,6 +14,7 @@ from graphfuse.program import Handoffs, PassRun, Program
 from . import (
     all_gather,
     clip_grad_norm,
+    defer_gather,
     fuse_params,
     overlap,
     plan_buckets,
@@ -48,6 +49,7 @@ PIPELINE: list[ModuleType] = [
     clip_grad_norm,  # (if max_grad_norm) global norm over shards, one all-reduce
     sharded_update,  # one fused optimizer update per bucket shard
     all_gather,  # one all-gather per bucket back into the bucket
+    defer_gather,  # (if overlap_param_gather) the all-gathers move to the head of the next step
     stage_on_host,  # (if stage_collectives_on_host) collectives read and write host copies
     overlap,  # (if overlap) wait for each collective only where its result is first used
     serializer,  # the save and load plan of both checkpoint modes
