@@ -166,6 +166,8 @@ def eager_runner(program, marks: Marks):
 
 ISSUE = re.compile(r"^(\s+)(buf\w+) = torch\.ops\._c10d_functional\.(reduce_scatter_tensor|all_gather_into_tensor|all_reduce)\.default\(")
 WAIT = re.compile(r"^(\s+)torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\w+)\)")
+# A kernel launch in the wrapper: C++ (CPU), Triton (CUDA), an extern kernel (mm) or an aten fallback.
+KERNEL = re.compile(r"^\s+(?:\w+ = )?(?:extern_kernels\.\w+|cpp_fused_\w+|triton_\w+\.run|torch\.ops\.aten\.\w+\.\w+)\(")
 SOURCES = re.compile(r"^\s+# Topologically Sorted Source Nodes: \[([^\]]*)\]")
 
 
@@ -182,12 +184,11 @@ def instrument(source: str, names: set[str], phase: dict[str, str]) -> str:
         m = SOURCES.match(line)
         if in_call and m:
             sources = [s.strip() for s in m.group(1).split(",")]
-            if not any(s in names for s in sources) and not any("wait_tensor" in s for s in sources):
-                kernels += 1  # a scheduled kernel (collectives and waits are not counted)
             if not backward_seen and any(phase.get(s) == "backward" for s in sources):
                 backward_seen = True
                 out.append(f"{line[: len(line) - len(line.lstrip())]}_gf_mark('backward')")
         issue, wait = ISSUE.match(line), WAIT.match(line)
+        kernels += bool(in_call and KERNEL.match(line))
         if in_call and issue:
             node = next(s for s in sources if s in names)
             buf_of[issue.group(2)] = node
