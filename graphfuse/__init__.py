@@ -3,6 +3,7 @@ over one traced training step (forward, backward and optimizer update)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -21,7 +22,7 @@ from graphfuse.errors import (
 from graphfuse.layout import Bucket, BucketLayout
 from graphfuse.program import Program
 from graphfuse.program_files import load_program, save_program
-from graphfuse.runtime import DistModel
+from graphfuse.runtime import DistModel, format_phases
 from graphfuse.signature import Signature
 from graphfuse.strategy import Strategy
 
@@ -38,7 +39,10 @@ def compile(
 ) -> DistModel:
     """Trace one training step of `model` and rewrite it into fused, sharded ZeRO-1 over
     `group` (the default process group if initialised, else world size 1)."""
-    return DistModel(model, optimizer, loss_fn, example_batch, strategy=strategy, group=group)
+    dm = DistModel(model, optimizer, loss_fn, example_batch, strategy=strategy, group=group)
+    # Where start-up time goes (the first step logs inductor's compile and its own run).
+    logging.getLogger("graphfuse").info("graphfuse.compile: %s", format_phases(dm.startup, ("capture", "passes", "verify", "bind")))
+    return dm
 
 
 def save(

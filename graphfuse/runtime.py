@@ -3,8 +3,10 @@ batch at a time, and writes its outputs back in place so every view stays valid.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -134,6 +136,10 @@ def run_step(
     return outs
 
 
+def format_phases(seconds: dict[str, float], names) -> str:
+    return ", ".join(f"{n} {seconds[n]:.2f} s" for n in names if n in seconds)
+
+
 def destination(program: Program, tensors: dict[str, torch.Tensor], spec: sig.OutputSpec) -> torch.Tensor:
     """Where output `spec` is written: its target input, or for a bucket's shard (deferred
     all-gather) this rank's range of the bucket."""
@@ -192,7 +198,7 @@ class DistModel:
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
-        self.params = ParamState()
+        self.params, self.startup = ParamState(), {}
         key = batch_key(example_batch)
         check_batch(key)
         self._start(self._build(example_batch), key)
@@ -214,7 +220,7 @@ class DistModel:
         self = cls.__new__(cls)
         self.model, self.optimizer, self.loss_fn = model, optimizer, None
         self.strategy = program.strategy
-        self.params = ParamState()
+        self.params, self.startup = ParamState(), {}
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         if (self.world_size, self.rank) != (program.world_size, program.rank):
             raise UnsupportedError(
@@ -240,7 +246,8 @@ class DistModel:
         return self
 
     def _start(self, program: Program, key: tuple) -> None:
-        self._bind(program)
+        with self._phase("bind"):
+            self._bind(program)
         self._snapshot = Snapshot(self.model, self.optimizer)  # checked at every step: changes are not ignored
         self.steps = [0] * len(program.optim.groups)
         self.program = program
@@ -256,11 +263,23 @@ class DistModel:
 
     # ---- building -------------------------------------------------------------------
     def _build(self, batch) -> Program:
-        with self.params.tracing():
+        with self.params.tracing(), self._phase("capture"):
             program = capture(self.model, self.optimizer, self.loss_fn, batch, self.strategy)
         program = program.with_(world_size=self.world_size, rank=self.rank, group_name=self.group_name)
-        program = run_pipeline(program)
-        return verify(program)
+        with self._phase("passes"):
+            program = run_pipeline(program)
+        with self._phase("verify"):
+            return verify(program)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Time a phase of the start-up into `self.startup` (seconds; logged at INFO by gf.compile
+        and at the first step)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.startup[name] = self.startup.get(name, 0.0) + time.perf_counter() - t
 
     def _eager(self, program: Program) -> Callable | None:
         """The program's executable if it runs eagerly; None if inductor compiles it at the
@@ -304,10 +323,15 @@ class DistModel:
         key, leaves = flatten_batch(batch)
         program, fn = self._program_for(batch, key)
         if fn is None:
-            fn = compile_in_place(program, arguments(program, self.tensors, leaves))
+            with self._phase("inductor"):
+                fn = compile_in_place(program, arguments(program, self.tensors, leaves))
             self._programs[key] = (program, fn)
         steps = [s + 1 for s in self.steps]
-        outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, leaves)
+        first = "first step" not in self.startup
+        with self._phase("first step") if first else contextlib.nullcontext():
+            outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, leaves)
+        if first:
+            log.info("graphfuse: first step: %s", format_phases(self.startup, ("inductor", "first step")))
         self.steps = steps
         self.params.stale = self.params.deferred  # other ranks' ranges of the buckets are a step old
         self.optimizer._opt_called = True  # the optimizer has stepped: LR schedulers check this
