@@ -87,10 +87,19 @@ class Collective:
     nbytes: int  # the whole buffer: reduce-scatter input, all-gather output, all-reduce input
 
 
+_COLLECTIVES: dict[int, dict[str, Collective]] = {}  # by id(program): fake propagation takes seconds at GPT-2 size
+
+
 def collectives_of(program) -> dict[str, Collective]:
     """Every collective of the program by FX node name, with its bucket and bytes. Buckets: a
     deferred all-gather reads its bucket's placeholder; the other passes create one
     reduce-scatter and one all-gather per bucket in layout order."""
+    if id(program) not in _COLLECTIVES:
+        _COLLECTIVES[id(program)] = _collectives_of(program)
+    return _COLLECTIVES[id(program)]
+
+
+def _collectives_of(program) -> dict[str, Collective]:
     from graphfuse.passes import issues_collective
     from graphfuse.passes.verify import fake_values
 
