@@ -204,3 +204,13 @@ def test_deferred_gather_compiled_by_inductor_trains_like_the_end_of_step_gather
         # Measured equal to the bit on CPU (torch 2.13); the tolerance allows inductor to fuse
         # the two graphs' kernels differently.
         assert r["loss_diff"] <= 1e-6 and r["param_diff"] <= 1e-6, r
+
+
+def test_overlap_param_gather_auto_is_on_for_nccl_only_and_bad_values_are_refused():
+    auto = gf.Strategy(overlap_param_gather="auto")
+    assert auto.for_backend("nccl", "cuda").overlap_param_gather is True
+    assert auto.for_backend("gloo", "cpu").overlap_param_gather is False
+    assert auto.for_backend(None).overlap_param_gather is False
+    assert gf.Strategy().overlap_param_gather is False
+    with pytest.raises(gf.UnsupportedError, match="overlap_param_gather must be True, False or 'auto'"):
+        gf.Strategy(overlap_param_gather="yes")
