@@ -22,7 +22,7 @@ from graphfuse.errors import (
 from graphfuse.layout import Bucket, BucketLayout
 from graphfuse.program import Program
 from graphfuse.program_files import load_program, save_program
-from graphfuse.runtime import DistModel, format_phases
+from graphfuse.runtime import DistModel
 from graphfuse.signature import Signature
 from graphfuse.strategy import Strategy
 
@@ -41,7 +41,7 @@ def compile(
     `group` (the default process group if initialised, else world size 1)."""
     dm = DistModel(model, optimizer, loss_fn, example_batch, strategy=strategy, group=group)
     # Where start-up time goes (the first step logs inductor's compile and its own run).
-    logging.getLogger("graphfuse").info("graphfuse.compile: %s", format_phases(dm.startup, ("capture", "passes", "verify", "bind")))
+    logging.getLogger("graphfuse").info("graphfuse.compile: %s", dm.startup.format(("capture", "passes", "verify", "bind")))
     return dm
 
 

@@ -58,3 +58,12 @@ def gather_shards(program: Program, tensors: dict[str, torch.Tensor], group: dis
             dist.all_gather_into_tensor(work, shard, group=group)
             if host:
                 flat.copy_(work)
+
+
+def destination(program: Program, tensors: dict[str, torch.Tensor], spec: sig.OutputSpec) -> torch.Tensor:
+    """Where output `spec` is written: its target input, or for a bucket's shard (deferred
+    all-gather) this rank's range of the bucket."""
+    if spec.role == sig.NEW_BUCKET_SHARD:
+        bucket = next(b for b in program.layout.buckets if b.name == spec.target)
+        return tensors[spec.target][slice(*bucket.shard_range(program.rank))]
+    return tensors[spec.target]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -19,11 +18,12 @@ from graphfuse.errors import UnsupportedError
 from graphfuse.guards import ProgramCache, Snapshot, batch_change, check_batch
 from graphfuse.inductor import compile_graph
 from graphfuse.layout import BucketLayout
-from graphfuse.param_state import ParamState, gather_shards
+from graphfuse.param_state import ParamState, destination, gather_shards
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.passes._graph import is_collective
 from graphfuse.passes.sharded_update import MASTER
 from graphfuse.program import Program
+from graphfuse.startup import Phases
 from graphfuse.strategy import Strategy
 
 log = logging.getLogger("graphfuse")
@@ -136,19 +136,6 @@ def run_step(
     return outs
 
 
-def format_phases(seconds: dict[str, float], names) -> str:
-    return ", ".join(f"{n} {seconds[n]:.2f} s" for n in names if n in seconds)
-
-
-def destination(program: Program, tensors: dict[str, torch.Tensor], spec: sig.OutputSpec) -> torch.Tensor:
-    """Where output `spec` is written: its target input, or for a bucket's shard (deferred
-    all-gather) this rank's range of the bucket."""
-    if spec.role == sig.NEW_BUCKET_SHARD:
-        bucket = next(b for b in program.layout.buckets if b.name == spec.target)
-        return tensors[spec.target][slice(*bucket.shard_range(program.rank))]
-    return tensors[spec.target]
-
-
 def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Callable:
     """Compile the program with inductor after appending `copy_` of every output into the input
     it replaces, so inductor writes new buckets and shards straight into their storage (one
@@ -198,7 +185,7 @@ class DistModel:
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
-        self.params, self.startup = ParamState(), {}
+        self.params, self.startup = ParamState(), Phases()
         key = batch_key(example_batch)
         check_batch(key)
         self._start(self._build(example_batch), key)
@@ -220,7 +207,7 @@ class DistModel:
         self = cls.__new__(cls)
         self.model, self.optimizer, self.loss_fn = model, optimizer, None
         self.strategy = program.strategy
-        self.params, self.startup = ParamState(), {}
+        self.params, self.startup = ParamState(), Phases()
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         if (self.world_size, self.rank) != (program.world_size, program.rank):
             raise UnsupportedError(
@@ -246,7 +233,7 @@ class DistModel:
         return self
 
     def _start(self, program: Program, key: tuple) -> None:
-        with self._phase("bind"):
+        with self.startup.time("bind"):
             self._bind(program)
         self._snapshot = Snapshot(self.model, self.optimizer)  # checked at every step: changes are not ignored
         self.steps = [0] * len(program.optim.groups)
@@ -263,23 +250,14 @@ class DistModel:
 
     # ---- building -------------------------------------------------------------------
     def _build(self, batch) -> Program:
-        with self.params.tracing(), self._phase("capture"):
+        with self.params.tracing(), self.startup.time("capture"):
             program = capture(self.model, self.optimizer, self.loss_fn, batch, self.strategy)
         program = program.with_(world_size=self.world_size, rank=self.rank, group_name=self.group_name)
-        with self._phase("passes"):
+        with self.startup.time("passes"):
             program = run_pipeline(program)
-        with self._phase("verify"):
+        with self.startup.time("verify"):
             return verify(program)
 
-    @contextlib.contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
-        """Time a phase of the start-up into `self.startup` (seconds; logged at INFO by gf.compile
-        and at the first step)."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.startup[name] = self.startup.get(name, 0.0) + time.perf_counter() - t
 
     def _eager(self, program: Program) -> Callable | None:
         """The program's executable if it runs eagerly; None if inductor compiles it at the
@@ -323,15 +301,15 @@ class DistModel:
         key, leaves = flatten_batch(batch)
         program, fn = self._program_for(batch, key)
         if fn is None:
-            with self._phase("inductor"):
+            with self.startup.time("inductor"):
                 fn = compile_in_place(program, arguments(program, self.tensors, leaves))
             self._programs[key] = (program, fn)
         steps = [s + 1 for s in self.steps]
         first = "first step" not in self.startup
-        with self._phase("first step") if first else contextlib.nullcontext():
+        with self.startup.time("first step") if first else contextlib.nullcontext():
             outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, leaves)
         if first:
-            log.info("graphfuse: first step: %s", format_phases(self.startup, ("inductor", "first step")))
+            log.info("graphfuse: first step: %s", self.startup.format(("inductor", "first step")))
         self.steps = steps
         self.params.stale = self.params.deferred  # other ranks' ranges of the buckets are a step old
         self.optimizer._opt_called = True  # the optimizer has stepped: LR schedulers check this
