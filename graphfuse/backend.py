@@ -13,10 +13,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.errors import UnsupportedError
+from graphfuse.execute import arguments, backend_of, bind_tensors, compile_in_place, group_info, run_step
 from graphfuse.inductor import compile_graph
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.program import PassRun, Program
-from graphfuse.runtime import arguments, backend_of, bind_tensors, compile_in_place, group_info, run_step
 from graphfuse.strategy import Strategy
 from graphfuse.tracing import fake_examples, name_placeholders, scalar_example, tensor_meta, update_function
 

@@ -37,9 +37,21 @@ def active_workarounds() -> dict[str, object]:
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
-    """`compile_fx(gm, example_inputs)` under graphfuse's inductor WORKAROUNDS."""
+    """`compile_fx(gm, example_inputs)` under graphfuse's inductor WORKAROUNDS, in a tracing
+    context whose fake mode has a ShapeEnv: without one inductor bypasses its FX graph cache
+    ("No shape env"), so every start, also from a program file, compiled from scratch."""
     import torch._inductor.config as config
+    from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    with config.patch(active_workarounds()):
-        return compile_fx(gm, example_inputs)
+    if TracingContext.try_get() is not None:  # called by dynamo (the "graphfuse" backend): it has one
+        with config.patch(active_workarounds()):
+            return compile_fx(gm, example_inputs)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    # Fake inputs made here with static shapes, as dynamo hands a backend its inputs; real ones
+    # would be fakified by AOTAutograd with symbolic shapes under the ShapeEnv.
+    fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    with config.patch(active_workarounds()), tracing(TracingContext(fake_mode)):
+        return compile_fx(gm, fakes)

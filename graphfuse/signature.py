@@ -26,7 +26,8 @@ NEW_STATE = "new_state"
 NEW_BUFFER = "new_buffer"
 NEW_BUCKET = "new_bucket"
 NEW_SHARD = "new_shard"
-OUTPUT_ROLES = (LOSS, NEW_PARAM, NEW_STATE, NEW_BUFFER, NEW_BUCKET, NEW_SHARD)
+NEW_BUCKET_SHARD = "new_bucket_shard"  # this rank's shard of a bucket, written into that range of it (deferred all-gather)
+OUTPUT_ROLES = (LOSS, NEW_PARAM, NEW_STATE, NEW_BUFFER, NEW_BUCKET, NEW_SHARD, NEW_BUCKET_SHARD)
 
 # Node phases (node.meta["phase"]).
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"

@@ -49,6 +49,13 @@ class Strategy:
     # two ranks and Gloo's functional collectives on CUDA tensors crashed on torch 2.11), off
     # otherwise and for a program built without a runtime.
     stage_collectives_on_host: bool | Literal["auto"] = "auto"
+    # Defer each bucket's parameter all-gather to the head of the next step, waited for just
+    # before the bucket's first use in the forward (passes/defer_gather.py): the step ends with
+    # the updated shards and the model's views of other ranks' shards are one step old until
+    # `DistModel.sync()`. "auto": on for NCCL (collectives overlap compute), off for Gloo (one
+    # collective in flight: the gathers would run back to back at the head) and without a
+    # runtime. Default False until GPU measurements (docs/benchmarks.md) decide.
+    overlap_param_gather: bool | Literal["auto"] = False
 
     def __post_init__(self) -> None:
         if not self.bucket_size_mb > 0:
@@ -80,6 +87,10 @@ class Strategy:
             raise UnsupportedError(
                 f"Strategy.stage_collectives_on_host must be True, False or 'auto', got {self.stage_collectives_on_host!r}"
             )
+        if self.overlap_param_gather not in (True, False, "auto"):
+            raise UnsupportedError(
+                f"Strategy.overlap_param_gather must be True, False or 'auto', got {self.overlap_param_gather!r}"
+            )
         if not isinstance(self.program_cache_size, int) or self.program_cache_size < 1:
             raise UnsupportedError(f"Strategy.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")
 
@@ -93,6 +104,8 @@ class Strategy:
         if self.stage_collectives_on_host == "auto":
             stage = backend == "gloo" and device_type != "cpu"
             resolved = dataclasses.replace(resolved, stage_collectives_on_host=stage)
+        if self.overlap_param_gather == "auto":
+            resolved = dataclasses.replace(resolved, overlap_param_gather=backend == "nccl")
         return resolved
 
     @property

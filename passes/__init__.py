@@ -14,6 +14,7 @@ from graphfuse.program import Handoffs, PassRun, Program
 from . import (
     all_gather,
     clip_grad_norm,
+    defer_gather,
     fuse_params,
     overlap,
     plan_buckets,
@@ -48,6 +49,7 @@ PIPELINE: list[ModuleType] = [
     clip_grad_norm,  # (if max_grad_norm) global norm over shards, one all-reduce
     sharded_update,  # one fused optimizer update per bucket shard
     all_gather,  # one all-gather per bucket back into the bucket
+    defer_gather,  # (if overlap_param_gather) the all-gathers move to the head of the next step
     stage_on_host,  # (if stage_collectives_on_host) collectives read and write host copies
     overlap,  # (if overlap) wait for each collective only where its result is first used
     serializer,  # the save and load plan of both checkpoint modes
@@ -62,9 +64,11 @@ def _collectives(program: Program) -> int:
     return sum(1 for n in program.graph.nodes if issues_collective(n))
 
 
-def run_pass(program: Program, p: ModuleType, check: bool = False) -> Program:
+def run_pass(program: Program, p: ModuleType, check: bool = False, recompile: bool = True) -> Program:
     """Run pass `p` if it applies: its contracts before and after, its statistics recorded in
-    `Program.passes` and logged at DEBUG; with `check`, `verify` the result."""
+    `Program.passes` and logged at DEBUG; with `check`, `verify` the result. Without
+    `recompile`, the graph module's code is stale until the caller recompiles it (the passes
+    and `verify` read the graph, never the code)."""
     if not p.applies(program):
         log.debug("%s: does not apply", p.NAME)
         return program
@@ -80,10 +84,11 @@ def run_pass(program: Program, p: ModuleType, check: bool = False) -> Program:
         raise
     expect_handoffs(out, p.NAME, p.PROVIDES, "which this pass provides")
     p.ensures(out)
-    out.graph_module.recompile()
     after = set(out.graph.nodes)
     run = PassRun(p.NAME, len(after - before), len(before - after), _collectives(out) - collectives, time.perf_counter() - t0)
     log.debug("%s: +%d -%d nodes, +%d collectives, %.3fs", run.name, run.nodes_added, run.nodes_removed, run.collectives_added, run.seconds)
+    if recompile or log.isEnabledFor(logging.DEBUG - 1):
+        out.graph_module.recompile()  # code generation: about a third of the pipeline's time
     if log.isEnabledFor(logging.DEBUG - 1):
         log.log(logging.DEBUG - 1, "graph after %s:\n%s", run.name, out.graph_module.code)
     out = out.with_(passes=out.passes + (run,))
@@ -98,7 +103,7 @@ def run_pipeline(program: Program, check: bool = False, pipeline: list[ModuleTyp
     pipeline = PIPELINE if pipeline is None else pipeline
     check_pipeline(pipeline)
     for p in pipeline:
-        program = run_pass(program, p, check)
+        program = run_pass(program, p, check, recompile=False)
     program = program.with_(handoffs=Handoffs())
     eliminate_dead_code(program)
     program.graph_module.recompile()

@@ -88,6 +88,9 @@ def check_values(program: Program, values: dict[torch.fx.Node, object]) -> None:
                 raise VerifyError(f"the loss has shape {tuple(val.shape)}")
             continue
         m = program.inputs_meta[spec.target]
+        if spec.role == sig.NEW_BUCKET_SHARD:  # written into this rank's range of the bucket
+            bucket = next(b for b in program.layout.buckets if b.name == spec.target)
+            m = m.__class__((bucket.shard_size,), m.dtype, m.device)
         if tuple(val.shape) != m.shape or str(val.dtype).removeprefix("torch.") != m.dtype:
             raise VerifyError(
                 f"output {spec.name} is {tuple(val.shape)} {val.dtype}, but its target {spec.target} is {m.shape} {m.dtype}"

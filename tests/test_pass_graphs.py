@@ -15,6 +15,7 @@ import torch.nn as nn
 from graphfuse.passes import (
     all_gather,
     clip_grad_norm,
+    defer_gather,
     fuse_params,
     overlap,
     plan_buckets,
@@ -171,6 +172,64 @@ def test_overlap_does_not_apply_without_strategy_overlap():
     program = program_before(overlap, overlap=False)
     out = passes.run_pass(program, overlap, check=True)
     assert out is program and out.pass_names[-1] == "all_gather"
+
+
+def test_defer_gather_issues_each_all_gather_at_the_head_and_ends_the_step_with_shards():
+    out, code = run(program_before(defer_gather, overlap_param_gather=True), defer_gather)
+    # Head of the step, in forward order (bucket0's weight feeds the first matmul, as does
+    # bucket1's bias): this rank's shard of each bucket, gathered, before any op of the step.
+    (FileCheck()
+     .check("def forward(").check_next("aten.slice.Tensor(bucket_bucket0, 0, 8, 16)")
+     .check_next(f"{AG}(slice_tensor_4, 2, 'g')").check_next(f"wait_tensor_default_4 = torch.ops.{WAIT}(all_gather_into_tensor_default_2)")
+     .check_next("aten.slice.Tensor(bucket_bucket1, 0, 4, 8)")
+     .check_next(f"{AG}(slice_tensor_5, 2, 'g')").check_next(f"wait_tensor_default_5 = torch.ops.{WAIT}(all_gather_into_tensor_default_3)")
+     .run(code))
+    # The forward and the update read the gathered buckets; the parameters' views moved down
+    # to the op that first computes on them.
+    (FileCheck()
+     .check("aten.slice.Tensor(wait_tensor_default_4, 0, 0, 12)").check_next("aten.view.default(slice_tensor, [3, 4])")
+     .check_next("aten.t.default(view_default)").check_next("aten.slice.Tensor(wait_tensor_default_5, 0, 0, 3)")
+     .check_next("aten.view.default(slice_tensor_1, [3])").check_next("aten.addmm.default(view_default_1, batch_batch_0, t)")
+     .check(f"{RS}(cat_default,").check(f"{RS}(cat_default_1,")
+     .check("aten.addcmul.default(slice_tensor_2").check("aten.addcmul.default(slice_tensor_3")
+     .run(code))
+    # No collective after the update: the step returns the updated shards themselves.
+    FileCheck().check_count(AG, 2, exactly=True).run(code)
+    FileCheck().check("addcmul_3 = ").check_not("_c10d_functional").check("return (detach, add_2, add_3, addcmul_2, addcmul_3)").run(code)
+    assert [(s.role, s.target) for s in out.signature.outputs if s.target and s.target.startswith("bucket") and "." not in s.target] == [
+        (gf.signature.NEW_BUCKET_SHARD, "bucket0"), (gf.signature.NEW_BUCKET_SHARD, "bucket1")]
+
+
+def test_defer_gather_then_overlap_waits_for_each_bucket_just_before_its_first_use():
+    program = program_before(defer_gather, overlap_param_gather=True)
+    deferred = passes.run_pass(program, defer_gather, check=True)
+    code = passes.run_pass(deferred, overlap, check=True).graph_module.code
+    # Both all-gathers in flight at the head; bucket0 waited for before the weight's views,
+    # bucket1 before the bias's, both before the matmul that reads them.
+    (FileCheck()
+     .check(f"{AG}(slice_tensor_4").check_not(WAIT).check(f"{AG}(slice_tensor_5").check_not(WAIT)
+     .check(f"{WAIT}(all_gather_into_tensor_default_2)").check_next("aten.slice.Tensor(wait_tensor_default_4, 0, 0, 12)")
+     .check(f"{WAIT}(all_gather_into_tensor_default_3)").check_next("aten.slice.Tensor(wait_tensor_default_5, 0, 0, 3)")
+     .check("aten.addmm.default")
+     .run(code))
+    # The reduce-scatters as without deferral: issued when the gradients exist, waited for by the update.
+    (FileCheck()
+     .check(f"{RS}(cat_default,").check_not(WAIT).check(f"{RS}(cat_default_1,").check_not(WAIT)
+     .check("aten.mul.Tensor(shard_bucket0_momentum_buffer, 0.9)")
+     .check(f"{WAIT}(reduce_scatter_tensor_default)").check("aten.add.Tensor(mul_4, wait_tensor_default, alpha = 1.0)")
+     .check(f"{WAIT}(reduce_scatter_tensor_default_1)").check("aten.add.Tensor(mul_5, wait_tensor_default_1, alpha = 1.0)")
+     .check("return (detach, add_2, add_3, addcmul_2, addcmul_3)")
+     .run(code))
+    # One collective in flight (Gloo): the first gather is waited for before the second is issued.
+    bounded = passes.run_pass(passes.run_pass(program_before(defer_gather, overlap_param_gather=True, max_inflight_collectives=1), defer_gather), overlap, check=True)
+    (FileCheck().check(f"{AG}(slice_tensor_4").check(f"{WAIT}(all_gather_into_tensor_default_2)")
+     .check_next(f"{AG}(slice_tensor_5").check(f"{WAIT}(all_gather_into_tensor_default_3)").run(bounded.graph_module.code))
+
+
+@pytest.mark.parametrize("setting,world", [(False, 2), ("auto", 2), (True, 1)])
+def test_defer_gather_does_not_apply_unless_asked_at_world_size_above_1(setting, world):
+    program = program_before(defer_gather, world=world, overlap_param_gather=setting)
+    assert passes.run_pass(program, defer_gather, check=True) is program
 
 
 def test_stage_on_host_copies_each_collective_input_to_the_host_and_its_result_back():

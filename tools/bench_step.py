@@ -1,7 +1,10 @@
-"""Training-step time of graphfuse (fused ZeRO-1) against eager DDP + ZeroRedundancyOptimizer
-and FSDP2 (fully_shard) on the same GPT and batch, with the collectives each issues per step.
+"""Training-step time of graphfuse (fused ZeRO-1; with `graphfuse_deferred`, the parameter
+all-gather deferred to the next step) against eager DDP + ZeroRedundancyOptimizer, FSDP2
+(fully_shard) and, at one rank, torch.compile + fused AdamW, on the same GPT and batch: median
+step time, peak CUDA memory, setup + first step seconds, and the collectives each issues per step.
 
     python tools/bench_step.py --device cpu --world-size 2
+    python tools/bench_step.py --device cuda --world-size 1 --compile inductor --methods graphfuse torch_compile
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from graphfuse.passes._graph import count_targets
 import graphfuse as gf
 from graphfuse.launch import run_ranks
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+
+METHODS = ["graphfuse", "graphfuse_deferred", "ddp_zero", "fsdp2", "torch_compile"]
 
 
 def adamw(params, device: torch.device):
@@ -56,52 +61,107 @@ def profiled_collectives(step, batch) -> int:
     return sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::") and any(n in e.key for n in names))
 
 
-def eager_step(model, optimizer):
+def eager_step(model, optimizer, loss_fn=gpt_loss):
     def step(batch):
         optimizer.zero_grad(set_to_none=True)
-        gpt_loss(model, batch).backward()
+        loss_fn(model, batch).backward()
         optimizer.step()
 
     return step
 
 
+def loss_for(precision: str, device: torch.device):
+    """gpt_loss, with the forward under bf16 autocast for "amp"."""
+    if precision != "amp":
+        return gpt_loss
+
+    def loss_fn(model, batch):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return gpt_loss(model, batch)
+
+    return loss_fn
+
+
+def compiled_step(model, device, master: bool, loss_fn):
+    """torch.compile(model) + fused AdamW (on fp32 master copies for bf16 parameters)."""
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()] if master else None
+    opt = adamw(masters if master else model.parameters(), device)
+    forward = torch.compile(model)
+
+    def step(batch):
+        loss_fn(forward, batch).backward()
+        if master:
+            for p, m in zip(model.parameters(), masters):
+                m.grad = p.grad.float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        if master:
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters):
+                    p.copy_(m)
+
+    return step
+
+
+def build(method: str, base, device, args, batch0):
+    """(step function, collectives per step, how they were counted) of one method."""
+    model = copy.deepcopy(base)
+    master, loss_fn = args.precision == "bf16master", loss_for(args.precision, device)
+    if method.startswith("graphfuse"):
+        strategy = gf.Strategy(bucket_size_mb=args.bucket_mb, compile=args.compile, master_dtype=torch.float32 if master else None,
+                               overlap_param_gather=method == "graphfuse_deferred")
+        dm = gf.compile(model, adamw(model.parameters(), device), loss_fn, batch0, strategy)
+        counts = count_targets(dm.program)
+        return dm, sum(v for k, v in counts.items() if k.startswith("_c10d_functional") and "wait" not in k), "graph"
+    if method == "torch_compile":
+        return compiled_step(model, device, master, loss_fn), 0, "none (one process)"
+    if master:
+        raise SystemExit(f"--precision bf16master is measured for graphfuse and torch_compile only, not {method}")
+    if method == "ddp_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+        zero_kw = {"fused": True} if device.type == "cuda" else {"foreach": False}
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.1, **zero_kw)
+        step = eager_step(ddp, zero, loss_fn)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        step = eager_step(model, adamw(model.parameters(), device), loss_fn)
+    return step, profiled_collectives(step, batch0), "profiler"
+
+
 def worker(rank: int, world: int, args) -> dict:
-    """One rank's timings (graphfuse.launch has set up the process group and the device)."""
+    """One rank's timings (graphfuse.launch has set up the process group and the device): per
+    method, step times, collectives, peak memory and setup + first step seconds."""
     torch.backends.cuda.matmul.allow_tf32 = True  # the same matmul precision for every method
     torch.backends.cudnn.allow_tf32 = True
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
     torch.manual_seed(0)
-    base = GPT(cfg).to(device)
+    base = GPT(cfg).to(device, torch.bfloat16 if args.precision == "bf16master" else torch.float32)
     n = args.warmup + args.steps
     batches = [tuple(x.to(device) for x in b) for b in synthetic_tokens(cfg, args.batch, n, seed=rank)]
     out = {}
-
-    model = copy.deepcopy(base)
-    strategy = gf.Strategy(bucket_size_mb=args.bucket_mb, compile=args.compile)
-    dm = gf.compile(model, adamw(model.parameters(), device), gpt_loss, batches[0], strategy)
-    counts = count_targets(dm.program)
-    out["graphfuse"] = (timed(dm, batches, args.warmup, device),
-                        sum(v for k, v in counts.items() if k.startswith("_c10d_functional") and "wait" not in k), "graph")
-
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = copy.deepcopy(base)
-    ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-    zero_kw = {"fused": True} if device.type == "cuda" else {"foreach": False}
-    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.1, **zero_kw)
-    step = eager_step(ddp, zero)
-    out["ddp_zero"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
-
-    from torch.distributed.fsdp import fully_shard
-
-    model = copy.deepcopy(base)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    step = eager_step(model, adamw(model.parameters(), device))
-    out["fsdp2"] = (timed(step, batches, args.warmup, device), profiled_collectives(step, batches[0]), "profiler")
+    for method in args.methods:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        t = time.perf_counter()
+        step, collectives, counted_by = build(method, base, device, args, batches[0])
+        step(batches[0])
+        sync(device)
+        setup_s = time.perf_counter() - t
+        times = timed(step, batches, args.warmup, device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        out[method] = {"times": times, "collectives": collectives, "counted_by": counted_by, "setup_s": setup_s, "peak_gib": peak}
+        del step
     return out
 
 
@@ -125,29 +185,43 @@ def main() -> None:
     ap.add_argument("--embd", type=int, default=128)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--compile", choices=["eager", "inductor"], default="eager", help="how graphfuse runs its program")
+    ap.add_argument("--precision", choices=["fp32", "amp", "bf16master"], default="fp32",
+                    help="fp32 (TF32 matmuls), amp (bf16 autocast forward), bf16master (bf16 parameters, fp32 master weights)")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=["graphfuse", "ddp_zero", "fsdp2"])
     args = ap.parse_args()
+    if "torch_compile" in args.methods and args.world_size > 1:
+        ap.error("torch_compile is measured at --world-size 1 only (no data parallelism around it)")
+    if "graphfuse_deferred" in args.methods and args.world_size == 1:
+        ap.error("graphfuse_deferred is the graphfuse program itself at world size 1 (nothing to gather); "
+                 "use tools/overlap_report.py for its schedule")
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
     results = dict(enumerate(run_ranks(worker, args.world_size, args, backend=backend, threads=threads, timeout=1800)))
 
     rows = {}
-    for name in ("graphfuse", "ddp_zero", "fsdp2"):
+    for name in args.methods:
         # A step takes as long as its slowest rank: median over steps of the max over ranks.
-        per_step = [max(r[name][0][i] for r in results.values()) for i in range(args.steps)]
-        rows[name] = {"ms": 1e3 * statistics.median(per_step), "collectives": results[0][name][1], "counted_by": results[0][name][2]}
+        per_step = [max(r[name]["times"][i] for r in results.values()) for i in range(args.steps)]
+        first = results[0][name]
+        peaks = [r[name]["peak_gib"] for r in results.values()]
+        rows[name] = {"ms": 1e3 * statistics.median(per_step), "collectives": first["collectives"], "counted_by": first["counted_by"],
+                      "setup_s": max(r[name]["setup_s"] for r in results.values()), "peak_gib": None if peaks[0] is None else max(peaks)}
+    ref = rows[args.methods[0]]["ms"]
     for name in rows:
-        rows[name]["vs_graphfuse"] = rows[name]["ms"] / rows["graphfuse"]["ms"]
+        rows[name]["vs_first"] = rows[name]["ms"] / ref
 
     from rich.console import Console
     from rich.table import Table
 
     where = machine(args.device)
-    table = Table(title=f"training step, GPT {args.layers}x{args.embd}, batch {args.batch}x{args.block}, {args.world_size} ranks, {args.device} ({where})")
-    for col in ("method", "median step ms", "time / graphfuse", "collectives/step", "counted by"):
+    table = Table(title=f"training step, GPT {args.layers}x{args.embd}, batch {args.batch}x{args.block}, {args.precision}, "
+                        f"{args.world_size} ranks, {args.device} ({where})")
+    for col in ("method", "median step ms", f"time / {args.methods[0]}", "peak GiB", "setup + first step s", "collectives/step", "counted by"):
         table.add_column(col)
     for name, r in rows.items():
-        table.add_row(name, f"{r['ms']:.1f}", f"{r['vs_graphfuse']:.2f}x", str(r["collectives"]), r["counted_by"])
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        table.add_row(name, f"{r['ms']:.1f}", f"{r['vs_first']:.2f}x", peak, f"{r['setup_s']:.1f}", str(r["collectives"]), r["counted_by"])
     Console().print(table)
     print(json.dumps({"bench": "step", "device": args.device, "world_size": args.world_size, "machine": where, "config": vars(args), "results": rows}))
 

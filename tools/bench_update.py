@@ -66,7 +66,7 @@ def main() -> None:
         new_p, st = gopt.update(spec, p, g, {"exp_avg": m, "exp_avg_sq": v}, dict(zip(names, s)))
         return new_p, st["exp_avg"], st["exp_avg_sq"]
 
-    def update_in_place(p, g, m, v, *s):  # what graphfuse.runtime.compile_in_place hands inductor
+    def update_in_place(p, g, m, v, *s):  # what graphfuse.execute.compile_in_place hands inductor
         new_p, new_m, new_v = update(p, g, m, v, *s)
         p.copy_(new_p), m.copy_(new_m), v.copy_(new_v)
         return ()

@@ -1,0 +1,153 @@
+"""Running a program: bind its buckets and shards, fill the host scalars, call it, write its
+outputs back in place. The one runtime that `DistModel` and the `ShardedOptimizer` share."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from graphfuse import optim as gopt
+from graphfuse import signature as sig
+from graphfuse.inductor import compile_graph
+from graphfuse.param_state import destination
+from graphfuse.passes._graph import is_collective
+from graphfuse.passes.sharded_update import MASTER
+from graphfuse.program import Program
+
+
+def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int, str]:
+    """(group, world size, rank, group name); world size 1 with no process group."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0, ""
+        group = dist.group.WORLD
+    return group, dist.get_world_size(group), dist.get_rank(group), group.group_name
+
+
+def backend_of(group: dist.ProcessGroup | None, device_type: str) -> str | None:
+    """The backend that runs `group`'s collectives on `device_type` tensors (None: no group)."""
+    if group is None:
+        return None
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # a group of several backends, "cpu:gloo,cuda:nccl"
+        return dict(b.split(":", 1) for b in backend.split(",")).get(device_type)
+    return backend
+
+
+def rebind_group(program: Program, group_name: str) -> Program:
+    """The same program with its collectives on the process group named `group_name` (a
+    restarted job's group may be named differently from the one the program was built on)."""
+    gm = torch.fx.GraphModule(program.graph_module, copy.deepcopy(program.graph))
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            node.args = tuple(group_name if a == program.group_name else a for a in node.args)
+    gm.recompile()
+    return program.with_(graph_module=gm, group_name=group_name)
+
+
+def bind_tensors(
+    program: Program,
+    params: dict[str, torch.nn.Parameter],
+    buffers: dict[str, torch.Tensor],
+    group: dist.ProcessGroup | None,
+) -> dict[str, torch.Tensor]:
+    """Allocate the program's buckets and shards, fill them from `params`, and point every
+    parameter at its view in its bucket. Returns every persistent input by name."""
+    layout, tensors = program.layout, {}
+    buckets = {b.name: b for b in layout.buckets}
+    with torch.no_grad():
+        for bucket in layout.buckets:
+            device = params[bucket.slots[0].fqn].device
+            flat = torch.zeros(bucket.size, dtype=getattr(torch, bucket.dtype), device=device)
+            for s in bucket.slots:
+                flat[slice(*s.data_range)].copy_(params[s.fqn].detach().reshape(-1))
+            if layout.world_size > 1:  # every rank starts from rank 0's weights, as DDP does
+                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+            for s in bucket.slots:
+                params[s.fqn].data = flat[slice(*s.data_range)].view(s.shape)
+            tensors[bucket.name] = flat
+        for spec in program.signature.inputs:
+            m = program.inputs_meta[spec.name]
+            dtype = getattr(torch, m.dtype)
+            if spec.role == sig.SHARD:
+                bucket_name, what = spec.name.split(".", 1)
+                flat = tensors[bucket_name]
+                if what == MASTER:
+                    lo, hi = buckets[bucket_name].shard_range(program.rank)
+                    tensors[spec.name] = flat[lo:hi].to(dtype, copy=True)
+                else:
+                    tensors[spec.name] = torch.zeros(m.shape, dtype=dtype, device=flat.device)
+            elif spec.role == sig.FROZEN:
+                tensors[spec.name] = params[spec.name].detach()
+            elif spec.role == sig.BUFFER:
+                tensors[spec.name] = buffers[spec.name]
+            elif spec.role == sig.SCALAR:
+                tensors[spec.name] = torch.zeros((), dtype=dtype)  # host scalars stay on the CPU
+    return tensors
+
+
+def arguments(program: Program, tensors: dict[str, torch.Tensor], per_call: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The program's inputs in order: persistent tensors by name, and the per-call tensors
+    (batch leaves, or gradients for an update-only program) in their order."""
+    it = iter(per_call)
+    return [next(it) if spec.role in (sig.BATCH, sig.GRAD) else tensors[spec.name] for spec in program.signature.inputs]
+
+
+def run_step(
+    program: Program,
+    fn: Callable,
+    tensors: dict[str, torch.Tensor],
+    param_groups: list[dict],
+    steps: list[int],
+    per_call: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Fill the host scalars of step `steps`, run the program, and copy every output into the
+    input it replaces. All outputs exist before any state is written: a failed step changes nothing."""
+    for g, (spec, group) in enumerate(zip(program.optim.groups, param_groups)):
+        gopt.check_group_unchanged(spec, group, g)  # all groups first: a refused step writes nothing
+    for g, (spec, group) in enumerate(zip(program.optim.groups, param_groups)):
+        values = spec.host_scalars(float(group["lr"]), float(group.get("weight_decay", 0.0)), steps[g])
+        for name, value in values.items():
+            tensors[f"group{g}.{name}"].fill_(value)
+    # Grad mode on, as the step was traced: some kernels differ with it off (oneDNN's LSTM,
+    # mkldnn_rnn_layer, returns no workspace for its backward). No input requires grad, so
+    # autograd records nothing.
+    with torch.enable_grad():
+        outs = fn(*arguments(program, tensors, per_call))
+    with torch.no_grad():
+        if not getattr(fn, "writes_in_place", False):
+            for spec, out in zip(program.signature.outputs, outs):
+                if spec.target is not None:
+                    destination(program, tensors, spec).copy_(out)
+    return outs
+
+
+def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Callable:
+    """Compile the program with inductor after appending `copy_` of every output into the input
+    it replaces, so inductor writes new buckets and shards straight into their storage (one
+    read and one write per element) instead of returning new tensors the runtime must copy."""
+    gm = torch.fx.GraphModule(program.graph_module, copy.deepcopy(program.graph))
+    graph = gm.graph
+    inputs = {s.name: n for s, n in zip(program.signature.inputs, (n for n in graph.nodes if n.op == "placeholder"))}
+    out = graph.output_node()
+    results = list(out.args[0])
+    with graph.inserting_before(out):
+        for spec, node in zip(program.signature.outputs, results):
+            if spec.role == sig.NEW_BUCKET_SHARD:
+                bucket = next(b for b in program.layout.buckets if b.name == spec.target)
+                into = graph.call_function(torch.ops.aten.slice.Tensor, (inputs[spec.target], 0, *bucket.shard_range(program.rank)))
+                graph.call_function(torch.ops.aten.copy_.default, (into, node))
+            elif spec.target is not None:
+                graph.call_function(torch.ops.aten.copy_.default, (inputs[spec.target], node))
+    out.args = (tuple(r for s, r in zip(program.signature.outputs, results) if s.target is None),)
+    gm.recompile()
+    compiled = compile_graph(gm, example_inputs)
+
+    def run(*args):
+        return compiled(*args)
+
+    run.writes_in_place = True
+    return run

@@ -1,0 +1,91 @@
+"""Start-up of a GPT step: gf.compile's phases and the first step (inductor compile and run),
+then a restart from the saved program file in a fresh process with the same inductor cache
+directory, and, for comparison, torch.compile(model) + fused AdamW to its first step.
+
+    python tools/bench_startup.py --device cpu --layers 2 --embd 64 --heads 4 --block 32 --vocab 256 --batch 2
+    python tools/bench_startup.py --device cuda --layers 12 --embd 768 --heads 12 --block 1024 --vocab 50304 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def setup(args):
+    from graphfuse.models import GPT, GPTConfig, synthetic_tokens
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(args.device)
+    kw = {"fused": True} if args.device == "cuda" else {"foreach": False}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **kw)
+    batch = tuple(x.to(args.device) for x in synthetic_tokens(cfg, args.batch, 1, seed=0)[0])
+    return model, opt, batch
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(args) -> dict:
+    """One start in this process: `fresh` (gf.compile, saves the program), `restart` (from the
+    program file) or `torch_compile`."""
+    import graphfuse as gf
+    from graphfuse.models import gpt_loss
+
+    model, opt, batch = setup(args)
+    t = time.perf_counter()
+    if args.start == "torch_compile":
+        forward = torch.compile(model)
+        gpt_loss(forward, batch).backward()
+        opt.step()
+        sync(args.device)
+        return {"start": args.start, "total_s": time.perf_counter() - t}
+    if args.start == "fresh":
+        dm = gf.compile(model, opt, gpt_loss, batch, gf.Strategy(compile="inductor"))
+        gf.save_program(dm.program, args.program)
+    else:
+        dm = gf.DistModel.from_program(gf.load_program(args.program), model, opt)
+    dm(batch)
+    sync(args.device)
+    return {"start": args.start, "total_s": time.perf_counter() - t, "phases_s": dict(dm.startup)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    for flag, default in (("layers", 2), ("embd", 64), ("heads", 4), ("block", 32), ("vocab", 256), ("batch", 2)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--start", choices=["all", "fresh", "restart", "torch_compile"], default="all")
+    ap.add_argument("--program", help="program file (internal)")
+    ap.add_argument("--cache-dir", help="inductor cache directory (default: a new empty one)")
+    args = ap.parse_args()
+    if args.start != "all":
+        print(json.dumps(run(args)))
+        return
+    work = tempfile.mkdtemp(prefix="graphfuse-startup-")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": args.cache_dir or os.path.join(work, "cache")}
+    rows = []
+    for start in ("fresh", "restart", "torch_compile"):  # each in a fresh process: imports and caches as at a real start
+        argv = [a for a in sys.argv[1:] if not a.startswith("--start")]
+        cmd = [sys.executable, __file__, *argv, f"--start={start}", f"--program={os.path.join(work, 'program')}"]
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    for r in rows:
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
+        print(f"{r['start']:14} {r['total_s']:7.2f} s   {phases}")
+    print(json.dumps({"bench": "startup", "device": args.device, "torch": torch.__version__, "config": vars(args), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
