@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 import graphfuse as gf
-import graphfuse.runtime as runtime
+import graphfuse.execute as execute
 
 
 def mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -45,8 +45,8 @@ def test_program_file_restart_gives_inductor_the_same_graph_and_hits_its_fx_grap
         seen.append(gm.code)
         return compile_graph(gm, example_inputs)
 
-    compile_graph = runtime.compile_graph
-    monkeypatch.setattr(runtime, "compile_graph", spy)
+    compile_graph = execute.compile_graph
+    monkeypatch.setattr(execute, "compile_graph", spy)
     with fresh_cache():
         counters.clear()
         model, opt = mlp()
