@@ -4,19 +4,25 @@ graphfuse (eager or torch.compile); it owns the buckets, so it saves and loads t
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from graphfuse import signature as sig
+from graphfuse.backward_rewrite import SHARD_SUFFIX, ShardInputs, drop_unused_gradients
 from graphfuse.errors import UnsupportedError
 from graphfuse.layout import BucketLayout
-from graphfuse.passes import run_pipeline, verify
+from graphfuse.passes import PIPELINE, reduce_scatter, run_pipeline, verify
+from graphfuse.program import Program
 from graphfuse.runtime import arguments, backend_of, bind_tensors, compile_in_place, group_info, run_step
 from graphfuse.strategy import Strategy
 from graphfuse.torch_state import TORCH_MODE, load_torch_form, torch_form
 from graphfuse.update_program import capture_update
+
+OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()  # live ShardedOptimizers, for the "graphfuse" backend
 
 
 class _Params(torch.nn.Module):
@@ -63,6 +69,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         strategy: Strategy | None = None,
         group: dist.ProcessGroup | None = None,
         model: torch.nn.Module | None = None,
+        reduce_in_backward: bool = True,
     ) -> None:
         strategy = strategy or Strategy()
         if strategy.grad_accumulation != 1:
@@ -87,46 +94,92 @@ class ShardedOptimizer(torch.optim.Optimizer):
             rank=self.rank,
             group_name=self.group_name,
         )
+        self._captured = copy.deepcopy(program)  # the passes edit a program in place
         self.program = verify(run_pipeline(program))
         self.tensors = bind_tensors(self.program, self.params, {}, self.group)
         self.steps = [0] * len(self.program.optim.groups)
-        self._fn: Callable | None = self.program.graph_module if strategy.compile == "eager" else None
+        fn = self.program.graph_module if strategy.compile == "eager" else None
+        # buckets whose shards a compiled backward made -> (program, executable or None)
+        self._variants: dict[frozenset[int], tuple[Program, Callable | None]] = {frozenset(): (self.program, fn)}
+        self._shards: dict[int, torch.Tensor] = {}  # bucket index -> shard from this step's backward(s)
+        self._received: dict[int, int] = {}  # bucket index -> shards received this step
+        self.reduce_in_backward = reduce_in_backward
+        self.backward_graphs: list = []  # (backward GraphModule, buckets it reduces), for inspection
+        self.last_reductions: dict[str, int] = {}  # bucket -> reductions in the last step
+        OPTIMIZERS.add(self)
 
     @property
     def layout(self) -> BucketLayout:
         return self.program.layout
 
-    def _grads(self) -> list[torch.Tensor]:
-        grads = []
-        for spec in self.program.signature.inputs:
-            if spec.role == sig.GRAD:
-                fqn = spec.name.removesuffix(".grad")
-                p = self.params[fqn]
-                if p.grad is None:
+    def receive_shards(self, buckets: list[int], shards: list[torch.Tensor]) -> None:
+        """Called by a compiled backward: the averaged gradient shards of `buckets`; several
+        backward calls before one step add up (the average of sums is the sum of averages)."""
+        for b, shard in zip(buckets, shards):
+            self._shards[b] = shard if b not in self._shards else self._shards[b] + shard
+            self._received[b] = self._received.get(b, 0) + 1
+
+    def _variant(self, reduced: frozenset[int]) -> tuple[Program, Callable | None]:
+        """The program whose buckets `reduced` take gradient shards instead of gradients."""
+        if reduced not in self._variants:
+            pipeline = [ShardInputs(reduced) if p is reduce_scatter else p for p in PIPELINE]
+            program = verify(drop_unused_gradients(run_pipeline(copy.deepcopy(self._captured), pipeline=pipeline)))
+            fn = program.graph_module if self.strategy.compile == "eager" else None
+            self._variants[reduced] = (program, fn)
+        return self._variants[reduced]
+
+    def _per_call(self, program: Program, reduced: frozenset[int]) -> list[torch.Tensor]:
+        """The gradients and gradient shards `program` reads, in its input order."""
+        out = []
+        for b in self.layout.buckets:
+            if b.index in reduced:
+                late = [f for f in b.fqns if self.params[f].grad is not None]
+                if late:
                     raise UnsupportedError(
-                        f"parameter {fqn} (shape {tuple(p.shape)}) has no gradient at step(); every optimized "
-                        "parameter must get one (or leave it out of the optimizer)"
+                        f"parameter {late[0]} has a .grad although a compiled backward already reduce-scattered its "
+                        "bucket: it gets gradient outside that compiled region too; build the optimizer with "
+                        "reduce_in_backward=False (every bucket then reduced in step())"
                     )
-                grads.append(p.grad)
-        return grads
+        for spec in program.signature.inputs:
+            if spec.role != sig.GRAD:
+                continue
+            if spec.name.endswith(SHARD_SUFFIX):
+                out.append(self._shards[int(spec.name.removesuffix(SHARD_SUFFIX).removeprefix("bucket"))])
+                continue
+            fqn = spec.name.removesuffix(".grad")
+            p = self.params[fqn]
+            if p.grad is None:
+                raise UnsupportedError(
+                    f"parameter {fqn} (shape {tuple(p.shape)}) has no gradient at step(); every optimized "
+                    "parameter must get one (or leave it out of the optimizer)"
+                )
+            out.append(p.grad)
+        return out
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
-        """One fused, sharded update from the parameters' gradients; returns `closure()`'s loss."""
+        """One fused, sharded update from the gradients (and the shards a compiled backward
+        made); returns `closure()`'s loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         steps = [s + 1 for s in self.steps]
-        grads = self._grads()
-        if self._fn is None:  # inductor compiles for the gradients' devices and strides
-            self._fn = compile_in_place(self.program, arguments(self.program, self.tensors, grads))
-        run_step(self.program, self._fn, self.tensors, self.param_groups, steps, grads)
+        reduced = frozenset(self._shards)
+        program, fn = self._variant(reduced)
+        per_call = self._per_call(program, reduced)
+        if fn is None:  # inductor compiles for the gradients' devices and strides
+            fn = compile_in_place(program, arguments(program, self.tensors, per_call))
+            self._variants[reduced] = (program, fn)
+        run_step(program, fn, self.tensors, self.param_groups, steps, per_call)
         self.steps = steps
+        self.last_reductions = {b.name: self._received.get(b.index, 0) + (b.index not in reduced) for b in self.layout.buckets}
+        self._shards, self._received = {}, {}
         self.optimizer._opt_called = True  # the wrapped optimizer has stepped: its LR schedulers check this
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._shards, self._received = {}, {}
         for p in self.params.values():
             if set_to_none:
                 p.grad = None
@@ -163,9 +216,12 @@ def shard_optimizer(
     group: dist.ProcessGroup | None = None,
     *,
     model: torch.nn.Module | None = None,
+    reduce_in_backward: bool = True,
 ) -> ShardedOptimizer:
     """The optimizer for a backward computed outside graphfuse (eager, or
     `torch.compile(model, backend="graphfuse")`): a fused, sharded ZeRO-1 step over `group`
     (the default process group if initialised, else world size 1). `model` names the
-    parameters by FQN in the layout and checkpoints (param0, param1, ... without it)."""
-    return ShardedOptimizer(optimizer, strategy, group, model)
+    parameters by FQN in the layout and checkpoints (param0, param1, ... without it).
+    `reduce_in_backward`: a model compiled with backend="graphfuse" reduce-scatters each bucket
+    inside its backward (False: every bucket in step(), as for an eager model)."""
+    return ShardedOptimizer(optimizer, strategy, group, model, reduce_in_backward)
