@@ -21,9 +21,10 @@ log = logging.getLogger("graphfuse")
 
 
 def _owner(example_inputs: list) -> tuple[ShardedOptimizer | None, list[str | None]]:
-    """The sharded optimizer that owns parameters among the inputs, and every input's FQN."""
-    for opt in list(OPTIMIZERS):
-        if not opt.reduce_in_backward:
+    """The newest sharded optimizer that owns parameters among the inputs, and every input's FQN."""
+    for ref in reversed(OPTIMIZERS):
+        opt = ref()
+        if opt is None or not opt.reduce_in_backward:
             continue
         fqn = {id(p): n for n, p in opt.params.items()}
         names = [fqn.get(id(x)) for x in example_inputs]
@@ -40,11 +41,14 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def _backward(opt: ShardedOptimizer, fqns: list[str | None], gm: torch.fx.GraphModule, example_inputs):
+def _backward(opt: ShardedOptimizer, region: int, fqns: list[str | None], gm: torch.fx.GraphModule, example_inputs):
     """Compile the backward with each whole bucket's reduce-scatter inside; the compiled
     function returns the gradients autograd expects (None for those buckets' parameters)
-    and gives the shards to `opt`."""
-    buckets = rewrite_backward(gm, fqns, opt.layout, opt.group_name, opt.strategy.max_inflight_collectives, opt.strategy.master_dtype)
+    and gives the shards to `opt`. Compiled at the first backward, when every region of the
+    forward is known: a parameter another region also reads keeps its bucket out."""
+    elsewhere = frozenset().union(*(r for i, r in enumerate(opt.regions) if i != region))
+    strategy = opt.strategy
+    buckets = rewrite_backward(gm, fqns, opt.layout, opt.group_name, strategy.max_inflight_collectives, strategy.master_dtype, elsewhere)
     opt.backward_graphs.append((gm, buckets))
     compiled = _inductor(gm, example_inputs, is_backward=True)
     log.debug("graphfuse backend: %d of %d buckets reduced in this backward", len(buckets), len(opt.layout.buckets))
@@ -72,9 +76,10 @@ def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tenso
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
+    opt.regions.append(frozenset(f for f in fqns if f is not None))
     return aot_autograd(
         fw_compiler=_inductor,
-        bw_compiler=functools.partial(_backward, opt, fqns),
+        bw_compiler=functools.partial(_backward, opt, len(opt.regions) - 1, fqns),
         decompositions=select_decomp_table(),
         partition_fn=min_cut_rematerialization_partition,
     )(gm, example_inputs)

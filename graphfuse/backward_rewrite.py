@@ -17,8 +17,9 @@ from graphfuse.program import Program, TensorMeta
 SHARD_SUFFIX = ".grad_shard"  # "bucket<b>.grad_shard": a bucket's averaged gradient shard, as an input
 
 
-def _eligible(layout: BucketLayout, fqns: list[str | None], grads: list) -> tuple[list, dict[str, torch.fx.Node]]:
-    """The buckets all of whose parameters get their gradient here (each parameter once)."""
+def _eligible(layout: BucketLayout, fqns: list[str | None], grads: list, elsewhere: set[str]) -> tuple[list, dict[str, torch.fx.Node]]:
+    """The buckets all of whose parameters get their gradient here (each parameter once), and
+    none of which another compiled region also reads (its gradient would come in two parts)."""
     grad_of: dict[str, torch.fx.Node] = {}
     seen: set[str] = set()
     for fqn, g in zip(fqns, grads):
@@ -29,7 +30,8 @@ def _eligible(layout: BucketLayout, fqns: list[str | None], grads: list) -> tupl
         elif isinstance(g, torch.fx.Node):
             grad_of[fqn] = g
         seen.add(fqn)
-    return [b for b in layout.buckets if all(f in grad_of for f in b.fqns)], grad_of
+    whole = [b for b in layout.buckets if all(f in grad_of and f not in elsewhere for f in b.fqns)]
+    return whole, grad_of
 
 
 def _pack(graph: torch.fx.Graph, bucket, grad_of: dict, master: torch.dtype | None) -> torch.fx.Node:
@@ -53,18 +55,20 @@ def rewrite_backward(
     group_name: str,
     inflight: int | None,
     master: torch.dtype | None = None,
+    elsewhere: frozenset[str] = frozenset(),
 ) -> list[int]:
     """Rewrite the backward graph `gm` (outputs: one gradient per forward input, whose FQNs are
     `fqns`, None for a non-parameter): each bucket whose gradients all come from this graph is
     packed and reduce-scattered right after its last gradient, waited for as late as `inflight`
     collectives in flight allow, and appended to the outputs; its parameters' gradients become
-    None. Returns the buckets' indices in the order of the appended outputs."""
+    None. A bucket with a parameter in `elsewhere` (read by another compiled region) is left
+    alone. Returns the buckets' indices in the order of the appended outputs."""
     graph = gm.graph
     out = graph.output_node()
     grads = list(out.args[0])
     if len(grads) != len(fqns):  # not the one-gradient-per-input form this rewrite knows
         return []
-    buckets, grad_of = _eligible(layout, fqns, grads)
+    buckets, grad_of = _eligible(layout, fqns, grads, set(elsewhere))
     order = position(graph)
     buckets.sort(key=lambda b: max(order[grad_of[f]] for f in b.fqns))
     world, pending, shards = layout.world_size, [], []  # pending: issued, not yet waited for

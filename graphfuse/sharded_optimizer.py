@@ -22,7 +22,7 @@ from graphfuse.strategy import Strategy
 from graphfuse.torch_state import TORCH_MODE, load_torch_form, torch_form
 from graphfuse.update_program import capture_update
 
-OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()  # live ShardedOptimizers, for the "graphfuse" backend
+OPTIMIZERS: list[weakref.ref] = []  # ShardedOptimizers built, oldest first, for the "graphfuse" backend
 
 
 class _Params(torch.nn.Module):
@@ -104,9 +104,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._shards: dict[int, torch.Tensor] = {}  # bucket index -> shard from this step's backward(s)
         self._received: dict[int, int] = {}  # bucket index -> shards received this step
         self.reduce_in_backward = reduce_in_backward
+        self.regions: list[frozenset[str]] = []  # the FQNs each region compiled by the backend reads
         self.backward_graphs: list = []  # (backward GraphModule, buckets it reduces), for inspection
         self.last_reductions: dict[str, int] = {}  # bucket -> reductions in the last step
-        OPTIMIZERS.add(self)
+        OPTIMIZERS[:] = [r for r in OPTIMIZERS if r() is not None] + [weakref.ref(self)]
 
     @property
     def layout(self) -> BucketLayout:

@@ -39,21 +39,21 @@ def sharded(model, **strategy) -> gf.ShardedOptimizer:
     return gf.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), strategy, model=model)
 
 
-def accumulate(model, micro: list) -> torch.Tensor:
+def accumulate(model, micro: list, loss_fn=loss_of) -> torch.Tensor:
     """Backward over every micro-batch, gradients summing in .grad; the mean loss."""
     total = torch.zeros(())
     for b in micro:
-        loss = loss_of(model, b) / len(micro)
+        loss = loss_fn(model, b) / len(micro)
         loss.backward()
         total += loss.detach()
     return total
 
 
-def ddp_step(model, opt, micro: list, world: int, clip: float | None = None, layout=None) -> torch.Tensor:
+def ddp_step(model, opt, micro: list, world: int, clip: float | None = None, layout=None, loss_fn=loss_of) -> torch.Tensor:
     """The reference: accumulate locally, all-reduce the average once (DDP's no_sync), step.
     With `layout`, one all-reduce per flat bucket as graphfuse lays them out (DDP buckets too)."""
     opt.zero_grad()
-    total = accumulate(model, micro)
+    total = accumulate(model, micro, loss_fn)
     if world > 1 and layout is None:
         for p in model.parameters():
             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
