@@ -5,12 +5,12 @@ hands the shards to that optimizer; the parameters' own gradients stay None."""
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from graphfuse.backward_rewrite import rewrite_backward
+from graphfuse.errors import UnsupportedError
 from graphfuse.inductor import active_workarounds, compile_graph
 from graphfuse.sharded_optimizer import OPTIMIZERS, ShardedOptimizer, shard_optimizer
 from graphfuse.update_program import capture_update
@@ -41,28 +41,57 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def _backward(opt: ShardedOptimizer, region: int, fqns: list[str | None], gm: torch.fx.GraphModule, example_inputs):
-    """Compile the backward with each whole bucket's reduce-scatter inside; the compiled
-    function returns the gradients autograd expects (None for those buckets' parameters)
-    and gives the shards to `opt`. Compiled at the first backward, when every region of the
-    forward is known: a parameter another region also reads keeps its bucket out."""
-    elsewhere = frozenset().union(*(r for i, r in enumerate(opt.regions) if i != region))
-    strategy = opt.strategy
-    buckets = rewrite_backward(gm, fqns, opt.layout, opt.group_name, strategy.max_inflight_collectives, strategy.master_dtype, elsewhere)
-    opt.backward_graphs.append((gm, buckets))
-    compiled = _inductor(gm, example_inputs, is_backward=True)
-    log.debug("graphfuse backend: %d of %d buckets reduced in this backward", len(buckets), len(opt.layout.buckets))
-    if not buckets:
-        return compiled
-    n = len(fqns)
+class _Region:
+    """One compiled region: its inputs' FQNs, and whether it was called with other parameters
+    (a graph compiled once for a module class and reused for each instance)."""
 
-    def run(args):
-        outs = compiled(args)
-        opt.receive_shards(buckets, outs[n:])
-        return list(outs[:n])
+    def __init__(self, opt: ShardedOptimizer, example_inputs: list, fqns: list[str | None]) -> None:
+        self.opt, self.fqns = opt, fqns
+        self.params = [(i, x) for i, (x, f) in enumerate(zip(example_inputs, fqns)) if f is not None]
+        self.index = len(opt.regions)
+        self.reused = self.rewritten = False
+        opt.regions.append(frozenset(f for f in fqns if f is not None))
 
-    run._boxed_call = True
-    return run
+    def check(self, args) -> None:
+        """At every forward call: the parameters the backward rewrite was decided for."""
+        if all(args[i] is p for i, p in self.params):
+            return
+        if self.rewritten:
+            raise UnsupportedError(
+                "a region compiled by the graphfuse backend is called with other parameters than when its backward "
+                "was compiled (one graph reused for several modules, e.g. a graph break inside a loop over blocks), "
+                "so its gradient shards would be credited to the wrong buckets; move the graph break out of the loop, "
+                "or build the optimizer with gf.shard_optimizer(..., reduce_in_backward=False)"
+            )
+        self.reused = True  # seen before the backward is compiled: it keeps the plain gradients
+
+    def backward(self, gm: torch.fx.GraphModule, example_inputs):
+        """Compile the backward with each whole bucket's reduce-scatter inside; the compiled
+        function returns the gradients autograd expects (None for those buckets' parameters)
+        and gives the shards to the optimizer. Compiled at the first backward, when every
+        region of the forward is known: a parameter another region also reads keeps its
+        bucket out."""
+        opt, strategy = self.opt, self.opt.strategy
+        buckets = []
+        if not self.reused:
+            elsewhere = frozenset().union(*(r for i, r in enumerate(opt.regions) if i != self.index))
+            args = (opt.layout, opt.group_name, strategy.max_inflight_collectives, strategy.master_dtype, elsewhere)
+            buckets = rewrite_backward(gm, self.fqns, *args)
+        self.rewritten = bool(buckets)
+        opt.backward_graphs.append((gm, buckets))
+        compiled = _inductor(gm, example_inputs, is_backward=True)
+        log.debug("graphfuse backend: %d of %d buckets reduced in this backward", len(buckets), len(opt.layout.buckets))
+        if not buckets:
+            return compiled
+        n = len(self.fqns)
+
+        def run(args):
+            outs = compiled(args)
+            opt.receive_shards(buckets, outs[n:])
+            return list(outs[:n])
+
+        run._boxed_call = True
+        return run
 
 
 def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
@@ -76,10 +105,16 @@ def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tenso
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
-    opt.regions.append(frozenset(f for f in fqns if f is not None))
-    return aot_autograd(
+    region = _Region(opt, example_inputs, fqns)
+    compiled = aot_autograd(
         fw_compiler=_inductor,
-        bw_compiler=functools.partial(_backward, opt, len(opt.regions) - 1, fqns),
+        bw_compiler=region.backward,
         decompositions=select_decomp_table(),
         partition_fn=min_cut_rematerialization_partition,
     )(gm, example_inputs)
+
+    def run(*args):
+        region.check(args)
+        return compiled(*args)
+
+    return run

@@ -72,27 +72,43 @@ class BrokenGPT(GPT):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(self.pos[:t])
-        for i, block in enumerate(self.blocks):
-            x = block(x)
-            if i == 0:
-                torch._dynamo.graph_break()
+        x = self.blocks[0](self.wte(idx) + self.wpe(self.pos[:t]))
+        torch._dynamo.graph_break()
+        x = self.blocks[1](x)
         return self.lm_head(self.ln_f(x))
 
 
-def _gpt(rank, world, broken: bool) -> dict:
+class LoopBrokenGPT(GPT):
+    """A graph break inside the loop over blocks: dynamo compiles Block.forward once and calls
+    that one graph for every block, with each block's parameters."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(self.pos[:t])
+        for block in self.blocks:
+            x = block(x)
+            torch._dynamo.graph_break()
+        return self.lm_head(self.ln_f(x))
+
+
+def _gpt(rank, world, cls: type) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     ref = GPT(CFG)
     torch.manual_seed(0)
-    mine = (BrokenGPT if broken else GPT)(CFG)
+    mine = cls(CFG)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
     strategy = gf.Strategy(bucket_size_mb=0.02)
     opt = gf.shard_optimizer(torch.optim.AdamW(mine.parameters(), lr=3e-3, weight_decay=0.1), strategy, model=mine)
     compiled = torch.compile(mine, backend="graphfuse")
+    torch.manual_seed(0)
+    control = GPT(CFG)  # plain inductor + torch AdamW: how far inductor alone is from eager
+    control_opt = torch.optim.AdamW(control.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+    control_compiled = torch.compile(control, backend="inductor")
     out = {"loss_diff": 0.0, "reductions": set(), "losses": []}
     for batch in synthetic_tokens(CFG, 4, GPT_STEPS, seed=rank):
         ref_loss = ddp_step(ref, ref_opt, [batch], world, layout=opt.layout, loss_fn=gpt_loss)
+        ddp_step(control_compiled, control_opt, [batch], world, layout=opt.layout, loss_fn=gpt_loss)
         opt.zero_grad()
         loss = gpt_loss(compiled, batch)
         loss.backward()
@@ -101,6 +117,7 @@ def _gpt(rank, world, broken: bool) -> dict:
         out["reductions"] |= set(opt.last_reductions.values())
         out["losses"].append(loss.item())
     out["param_diff"] = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
+    out["control_diff"] = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), control.parameters()))
     out["buckets"] = len(opt.layout.buckets)
     out["in_backward"] = [sorted(b) for _, b in opt.backward_graphs]
     out["regions"] = len(opt.regions)
@@ -108,17 +125,18 @@ def _gpt(rank, world, broken: bool) -> dict:
 
 
 def _whole(rank, world):
-    return _gpt(rank, world, broken=False)
+    return _gpt(rank, world, GPT)
 
 
-def _broken(rank, world):
-    return _gpt(rank, world, broken=True)
+def _all_shapes(rank, world):
+    return _gpt(rank, world, GPT), _gpt(rank, world, BrokenGPT), _gpt(rank, world, LoopBrokenGPT)
 
 
-# Measured on CPU (torch 2.13): inductor's forward/backward kernels round differently from eager
-# ones (fused reductions, no FMA contraction): after 20 AdamW steps the parameters differ from
-# eager DDP by at most 2e-6 and the losses by 1e-6 relative (docs/compile-path.md).
-PARAM_TOL, LOSS_TOL = 1e-5, 1e-5
+# Measured on CPU (torch 2.13, docs/compile-path.md): inductor's forward/backward kernels round
+# differently from eager ones; AdamW turns last-bit gradient differences of near-zero gradients
+# into O(lr) steps, so after 20 steps at lr 3e-3 parameters differ from eager DDP by up to 8e-5,
+# as much as plain inductor + torch AdamW does (the control: up to 6e-5); losses by 2e-7 relative.
+PARAM_TOL, LOSS_TOL = 3e-4, 1e-5
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -126,21 +144,24 @@ def test_gpt_trains_20_steps_like_eager_ddp_adamw(world):
     results = [_whole(0, 1)] if world == 1 else run_ranks(_whole, world)
     for r in results:
         assert r["param_diff"] <= PARAM_TOL and r["loss_diff"] <= LOSS_TOL, r
+        assert r["control_diff"] <= PARAM_TOL, r  # the tolerance is inductor's own
         assert r["reductions"] == {1}, r  # every bucket reduced exactly once per step
         assert r["regions"] == 1 and r["in_backward"] == [list(range(r["buckets"]))], r
         assert r["losses"][-1] < r["losses"][0]
 
 
-def test_graph_break_gives_the_same_numbers_and_one_reduction_per_bucket():
-    whole, broken = run_ranks(_whole, 2), run_ranks(_broken, 2)
-    for w, b in zip(whole, broken):
-        assert b["regions"] == 2 and len(b["in_backward"]) == 2, b
-        assert b["reductions"] == {1}, b
-        # wte is read by both regions (the tied lm_head): its bucket is reduced in step()
-        assert sum(map(len, b["in_backward"])) < b["buckets"], b
-        assert all(b["in_backward"]), b  # both regions reduce some buckets themselves
-        assert b["param_diff"] <= PARAM_TOL and b["loss_diff"] <= LOSS_TOL, b
-        assert max(abs(x - y) / abs(y) for x, y in zip(b["losses"], w["losses"])) <= LOSS_TOL
+def test_graph_breaks_give_the_same_numbers_and_one_reduction_per_bucket():
+    for whole, broken, loop in run_ranks(_all_shapes, 2):
+        for r in (broken, loop):
+            assert r["reductions"] == {1}, r  # every bucket reduced exactly once per step
+            assert r["param_diff"] <= PARAM_TOL and r["loss_diff"] <= LOSS_TOL, r
+            assert max(abs(x - y) / abs(y) for x, y in zip(r["losses"], whole["losses"])) <= LOSS_TOL
+        assert broken["regions"] == 2 and all(broken["in_backward"]), broken  # both regions reduce buckets
+        # wte is read by both regions (the tied lm_head), and one bucket straddles the break:
+        # those buckets are packed and reduced in step()
+        assert sum(map(len, broken["in_backward"])) < broken["buckets"], broken
+        # one Block graph called for both blocks: its backward keeps plain gradients
+        assert loop["in_backward"] and not any(loop["in_backward"]), loop
 
 
 def _accumulated(rank, world):

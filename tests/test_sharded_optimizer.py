@@ -58,7 +58,7 @@ def ddp_step(model, opt, micro: list, world: int, clip: float | None = None, lay
         for p in model.parameters():
             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
     elif world > 1:
-        grads = {n: p.grad for n, p in model.named_parameters()}
+        grads = {n: p.grad for n, p in getattr(model, "_orig_mod", model).named_parameters()}  # FQNs, compiled or not
         for bucket in layout.buckets:
             flat = torch.zeros(bucket.size)
             for s in bucket.slots:
