@@ -73,7 +73,8 @@ class _Region:
         bucket out."""
         opt, strategy = self.opt, self.opt.strategy
         buckets = []
-        if not self.reused:
+        # Staged collectives (Gloo over CUDA tensors) stay in step(), where the passes stage them.
+        if not self.reused and not strategy.stage_collectives_on_host:
             elsewhere = frozenset().union(*(r for i, r in enumerate(opt.regions) if i != self.index))
             args = (opt.layout, opt.group_name, strategy.max_inflight_collectives, strategy.master_dtype, elsewhere)
             buckets = rewrite_backward(gm, self.fqns, *args)
