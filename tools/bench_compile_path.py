@@ -9,7 +9,8 @@ Methods, all on the same GPT-2-shaped graphfuse.models.GPT, initial weights and 
 - compile_path: torch.compile(model, backend="graphfuse") + gf.shard_optimizer(AdamW): each
   bucket reduce-scattered inside the compiled backward, all-gathers in step();
 - gf_compile: gf.compile (one traced step; compile="inductor" on CUDA, "eager" on CPU);
-- ddp: torch.compile(DDP(model), backend="inductor") + AdamW(fused=True).
+- ddp: torch.compile(DDP(model), backend="inductor") + AdamW(fused=True), DDP buckets of
+  max(--bucket-mb, 1) MB (dynamo's DDPOptimizer refuses buckets below DDP's first, 1 MB).
 Step time: the median over --steps timed steps (after --warmup) of the slowest rank. Collectives
 are read from a torch.profiler trace of one step: the dispatcher events that issue one
 (functional collectives, or c10d ops when none is nested in another), each with its issue time
@@ -74,7 +75,9 @@ def _setup(method: str, cfg: GPTConfig, device: str, bucket_mb: float):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-        ddp = DDP(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None, bucket_cap_mb=bucket_mb)
+        # dynamo's DDPOptimizer needs buckets of at least DDP's first bucket (1 MB)
+        ids = [torch.cuda.current_device()] if device == "cuda" else None
+        ddp = DDP(model, device_ids=ids, bucket_cap_mb=max(bucket_mb, 1.0))
         return torch.compile(ddp, backend="inductor"), opt
     strategy = gf.Strategy(bucket_size_mb=bucket_mb, compile="inductor" if device == "cuda" else "eager")
     if method == "gf_compile":
@@ -138,14 +141,13 @@ def _report(results: list[dict], args: dict) -> dict:
     for method in args["methods"]:
         per_rank = [r[method] for r in results]
         slowest = [max(ts) for ts in zip(*(r["times"] for r in per_rank))]
-        issued = per_rank[0]["issued"]
-        kinds: dict[str, int] = {}
-        for name, _ in issued:
-            kinds[name] = kinds.get(name, 0) + 1
+        positions: dict[str, list[float]] = {}
+        for name, at in per_rank[0]["issued"]:
+            positions.setdefault(name, []).append(at)
         rows[method] = {
             "step_ms": round(statistics.median(slowest) * 1e3, 2),
-            "collectives": kinds,
-            "positions": [p for _, p in issued],
+            "collectives": {k: len(v) for k, v in positions.items()},
+            "positions": positions,  # > 1: issued after the window (the all-gathers in step())
             "window": per_rank[0]["window"],
         }
     return rows
@@ -169,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     machine = f"{platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}"
     if a.device == "cuda":
         machine += f", {torch.cuda.get_device_name(0)}"
-    print(f"{'method':14} {'step ms':>9}  collectives per step            issue position (fraction of window)")
+    print(f"{'method':14} {'step ms':>9}  {'collective':24} {'per step':>8}  issued at (fraction of the window; > 1: after it)")
     for method, r in rows.items():
-        kinds = ", ".join(f"{k} x{v}" for k, v in r["collectives"].items()) or "none"
-        print(f"{method:14} {r['step_ms']:>9}  {kinds:32} {r['window']}: {r['positions']}")
+        for i, (kind, at) in enumerate(r["positions"].items() or [("none", [])]):
+            head = f"{method:14} {r['step_ms']:>9}" if i == 0 else " " * 24
+            print(f"{head}  {kind:24} {len(at):>8}  {r['window']}: {', '.join(f'{x:.2f}' for x in at)}")
     print(f"machine: {machine}; world size {a.world_size}, model {a.model}, bucket {a.bucket_mb} MB")
     print(json.dumps({"tool": "bench_compile_path", "machine": machine, "world_size": a.world_size, **args, "results": rows}))
     return 0
