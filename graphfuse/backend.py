@@ -41,6 +41,17 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
+def _partition(gm: torch.fx.GraphModule, joint_inputs, **kwargs):
+    """Inductor's partitioner: its joint-graph passes (random ops such as dropout are rewritten
+    there), then the min-cut split into forward and backward."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+        return partition_fn(gm, joint_inputs, **kwargs)
+
+
 class _Region:
     """One compiled region: its inputs' FQNs, and whether it was called with other parameters
     (a graph compiled once for a module class and reused for each instance)."""
@@ -103,7 +114,6 @@ def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tenso
     if opt is None:
         return compile_graph(gm, example_inputs)
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     region = _Region(opt, example_inputs, fqns)
@@ -111,7 +121,7 @@ def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tenso
         fw_compiler=_inductor,
         bw_compiler=region.backward,
         decompositions=select_decomp_table(),
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=_partition,
     )(gm, example_inputs)
 
     def run(*args):
