@@ -72,9 +72,9 @@ def ddp_step(model, opt, micro: list, world: int, clip: float | None = None, lay
     return total
 
 
-def sharded_step(model, opt, micro: list) -> torch.Tensor:
+def sharded_step(model, opt, micro: list, loss_fn=loss_of) -> torch.Tensor:
     opt.zero_grad()
-    total = accumulate(model, micro)
+    total = accumulate(model, micro, loss_fn)
     opt.step()
     return total
 
