@@ -41,11 +41,11 @@ def sharded(model, **strategy) -> gf.ShardedOptimizer:
 
 def accumulate(model, micro: list, loss_fn=loss_of) -> torch.Tensor:
     """Backward over every micro-batch, gradients summing in .grad; the mean loss."""
-    total = torch.zeros(())
+    total = None
     for b in micro:
         loss = loss_fn(model, b) / len(micro)
         loss.backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
     return total
 
 
