@@ -30,14 +30,15 @@ default process group if initialised, else world size 1). One signature: DistMod
 
 
 def save(
-    dm: DistModel,
+    dm: DistModel | ShardedOptimizer,
     path,
     mode: str | None = None,
     extra: dict | None = None,
     timeout: float | None = None,
     async_: bool = False,
 ):
-    """Save `dm`'s training state to directory `path` (atomic; see graphfuse.checkpoint).
+    """Save `dm`'s training state (a DistModel, or a ShardedOptimizer with the weights it holds)
+    to directory `path` (atomic; see graphfuse.checkpoint).
     `timeout`: seconds a rank waits for the others at each stage (default 300); `async_`:
     write in the background and return a handle whose `wait()` joins it."""
     from graphfuse import checkpoint
@@ -45,7 +46,7 @@ def save(
     return checkpoint.save(dm, path, mode=mode, extra=extra, timeout=timeout, async_=async_)
 
 
-def load(dm: DistModel, path, timeout: float | None = None):
+def load(dm: DistModel | ShardedOptimizer, path, timeout: float | None = None):
     """Load the checkpoint at `path` into `dm` in place; returns the `extra` saved with it."""
     from graphfuse import checkpoint
 
