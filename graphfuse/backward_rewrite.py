@@ -11,7 +11,7 @@ from graphfuse import signature as sig
 from graphfuse.errors import PassContractError
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import reduce_scatter
-from graphfuse.passes._graph import add_input, aten, c10d, input_nodes, position, remove_input, sync_inputs
+from graphfuse.passes.graph import add_input, aten, c10d, input_nodes, position, remove_input, sync_inputs
 from graphfuse.program import Program, TensorMeta
 
 SHARD_SUFFIX = ".grad_shard"  # "bucket<b>.grad_shard": a bucket's averaged gradient shard, as an input

@@ -17,7 +17,7 @@ import graphfuse as gf
 from graphfuse.cli.args import CliFailure
 from graphfuse.launch import RankFailure, run_ranks
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
-from graphfuse.passes._graph import count_targets
+from graphfuse.passes.graph import count_targets
 
 
 def _optimizer(model: torch.nn.Module, **kw) -> torch.optim.AdamW:

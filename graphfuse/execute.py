@@ -13,7 +13,7 @@ from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.inductor import compile_graph
 from graphfuse.param_state import destination
-from graphfuse.passes._graph import is_collective
+from graphfuse.passes.graph import is_collective
 from graphfuse.passes.sharded_update import MASTER
 from graphfuse.program import Program
 

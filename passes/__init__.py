@@ -24,10 +24,11 @@ from . import (
     stage_on_host,
 )
 from ._contract import check_pipeline, expect_handoffs
-from ._graph import count_targets, eliminate_dead_code, is_collective, issues_collective
+from .graph import count_targets, eliminate_dead_code, is_collective, issues_collective
 from .verify import VerifyError, verify
 
-# What modules outside graphfuse.passes may use; the rest (_graph, _contract) is private.
+# What modules outside graphfuse.passes may use (also the graph-editing helpers in
+# graphfuse.passes.graph, public and documented there); _contract is private.
 __all__ = [
     "PIPELINE",
     "VerifyError",

@@ -7,7 +7,7 @@ from graphfuse import signature as sig
 from graphfuse.program import Program
 
 from ._contract import expect
-from ._graph import c10d, call, outputs, set_outputs
+from .graph import c10d, call, outputs, set_outputs
 
 NAME = "all_gather"
 NEEDS = ("param_shards",)

@@ -10,7 +10,7 @@ from graphfuse import signature as sig
 from graphfuse.program import Program
 
 from ._contract import expect
-from ._graph import c10d, call
+from .graph import c10d, call
 
 NAME = "clip_grad_norm"
 NEEDS = ("grad_shards",)

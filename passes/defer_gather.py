@@ -11,7 +11,7 @@ from graphfuse import signature as sig
 from graphfuse.program import Program
 
 from ._contract import expect
-from ._graph import aten, c10d, call, input_nodes, outputs, placeholders, position, set_outputs
+from .graph import aten, c10d, call, input_nodes, outputs, placeholders, position, set_outputs
 
 NAME = "defer_gather"
 NEEDS: tuple[str, ...] = ()

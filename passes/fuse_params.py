@@ -7,7 +7,7 @@ from graphfuse import signature as sig
 from graphfuse.program import Program, TensorMeta
 
 from ._contract import expect
-from ._graph import add_input, aten, call, input_nodes, outputs, remove_input, set_outputs, sync_inputs
+from .graph import add_input, aten, call, input_nodes, outputs, remove_input, set_outputs, sync_inputs
 
 NAME = "fuse_params"
 NEEDS: tuple[str, ...] = ()

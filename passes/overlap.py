@@ -13,7 +13,7 @@ import torch
 from graphfuse.program import Program
 
 from ._contract import expect
-from ._graph import c10d, issues_collective, position
+from .graph import c10d, issues_collective, position
 
 NAME = "overlap"
 NEEDS: tuple[str, ...] = ()

@@ -9,7 +9,7 @@ from graphfuse.layout import plan_buckets as plan
 from graphfuse.program import Program
 
 from ._contract import expect
-from ._graph import grad_nodes, position, ready_position
+from .graph import grad_nodes, position, ready_position
 
 NAME = "plan_buckets"
 NEEDS: tuple[str, ...] = ()

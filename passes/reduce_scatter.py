@@ -8,7 +8,7 @@ from graphfuse import signature as sig
 from graphfuse.program import Program
 
 from ._contract import expect
-from ._graph import aten, c10d, call, grad_nodes, hoist, position
+from .graph import aten, c10d, call, grad_nodes, hoist, position
 
 NAME = "reduce_scatter"
 NEEDS: tuple[str, ...] = ()

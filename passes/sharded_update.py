@@ -13,7 +13,7 @@ from graphfuse.program import Program, TensorMeta
 from graphfuse.tracing import dtype_name, update_function
 
 from ._contract import expect
-from ._graph import (
+from .graph import (
     add_input,
     aten,
     call,

@@ -11,7 +11,7 @@ from graphfuse import signature as sig
 from graphfuse.program import Program
 
 from ._contract import expect
-from ._graph import aten, c10d, call, issues_collective, position
+from .graph import aten, c10d, call, issues_collective, position
 
 NAME = "stage_on_host"
 NEEDS: tuple[str, ...] = ()

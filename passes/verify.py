@@ -13,7 +13,7 @@ from graphfuse import signature as sig
 from graphfuse.errors import GraphfuseError
 from graphfuse.program import Program
 
-from ._graph import placeholders
+from .graph import placeholders
 
 
 class VerifyError(GraphfuseError):

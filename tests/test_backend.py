@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from graphfuse.passes._graph import count_targets
+from graphfuse.passes.graph import count_targets
 
 import graphfuse as gf
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_ranks
-from graphfuse.passes._graph import c10d, is_collective, position
+from graphfuse.passes.graph import c10d, is_collective, position
 
 import graphfuse as gf
 from graphfuse import passes

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from graphfuse.passes import all_gather, clip_grad_norm, overlap, reduce_scatter, sharded_update, stage_on_host
-from graphfuse.passes._graph import c10d
+from graphfuse.passes.graph import c10d
 from graphfuse.passes.verify import VerifyError, verify
 
 import graphfuse as gf

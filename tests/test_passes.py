@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 from graphfuse.passes import count_targets
-from graphfuse.passes._graph import c10d, position
+from graphfuse.passes.graph import c10d, position
 from graphfuse.passes.verify import fake_values, verify
 from torch.testing import FileCheck
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from graphfuse.passes._graph import count_targets
+from graphfuse.passes.graph import count_targets
 
 import graphfuse as gf
 from graphfuse.launch import run_ranks

@@ -20,6 +20,7 @@ c10d = torch.ops._c10d_functional
 
 
 def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's inputs, in order."""
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
@@ -46,6 +47,7 @@ def grad_nodes(program: Program) -> dict[str, torch.fx.Node]:
 
 
 def remove_input(program: Program, node: torch.fx.Node) -> None:
+    """Drop an input that nothing uses any more, with its recorded metadata."""
     if node.users:
         raise PassContractError(f"input {node.name} cannot be removed: it still has users {[u.name for u in node.users]}")
     program.inputs_meta.pop(node.meta["gf_input"].name, None)
@@ -53,10 +55,12 @@ def remove_input(program: Program, node: torch.fx.Node) -> None:
 
 
 def outputs(program: Program) -> list[tuple[sig.OutputSpec, torch.fx.Node]]:
+    """Each output's role beside the node that computes it."""
     return list(zip(program.signature.outputs, program.output_args()))
 
 
 def set_outputs(program: Program, pairs: list[tuple[sig.OutputSpec, torch.fx.Node]]) -> Program:
+    """Make `pairs` the program's outputs, in the graph and in the signature together."""
     program.graph.output_node().args = (tuple(n for _, n in pairs),)
     return program.with_(signature=program.signature.with_(outputs=tuple(s for s, _ in pairs)))
 
@@ -68,6 +72,7 @@ def sync_inputs(program: Program) -> Program:
 
 
 def call(graph: torch.fx.Graph, op, *args, phase: str, **kwargs) -> torch.fx.Node:
+    """A new call of `op` at the graph's insertion point, tagged with its step phase."""
     node = graph.call_function(op, args, kwargs)
     node.meta["phase"] = phase
     return node
@@ -91,6 +96,7 @@ def inline(graph: torch.fx.Graph, fn: Callable, args: list[torch.fx.Node], metas
 
 
 def position(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    """Every node's index in the graph's order."""
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
