@@ -68,6 +68,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         strategy: Strategy | None = None,
         group: dist.ProcessGroup | None = None,
+        *,
         model: torch.nn.Module | None = None,
         reduce_in_backward: bool = True,
     ) -> None:
@@ -211,18 +212,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         checkpoint.load_state_dict(self, state_dict)
 
 
-def shard_optimizer(
-    optimizer: torch.optim.Optimizer,
-    strategy: Strategy | None = None,
-    group: dist.ProcessGroup | None = None,
-    *,
-    model: torch.nn.Module | None = None,
-    reduce_in_backward: bool = True,
-) -> ShardedOptimizer:
-    """The optimizer for a backward computed outside graphfuse (eager, or
-    `torch.compile(model, backend="graphfuse")`): a fused, sharded ZeRO-1 step over `group`
-    (the default process group if initialised, else world size 1). `model` names the
-    parameters by FQN in the layout and checkpoints (param0, param1, ... without it).
-    `reduce_in_backward`: a model compiled with backend="graphfuse" reduce-scatters each bucket
-    inside its backward (False: every bucket in step(), as for an eager model)."""
-    return ShardedOptimizer(optimizer, strategy, group, model, reduce_in_backward)
+shard_optimizer = ShardedOptimizer
+"""`gf.shard_optimizer(optimizer, strategy=None, group=None, *, model=None, reduce_in_backward=True)`:
+the optimizer for a backward computed outside graphfuse (eager, or `torch.compile(model,
+backend="graphfuse")`): a fused, sharded ZeRO-1 step over `group` (the default process group if
+initialised, else world size 1). `model` names the parameters by FQN in the layout and
+checkpoints (param0, param1, ... without it). `reduce_in_backward`: a model compiled with
+backend="graphfuse" reduce-scatters each bucket inside its backward (False: every bucket in
+step(), as for an eager model). One signature: ShardedOptimizer's own."""
