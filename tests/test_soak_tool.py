@@ -20,3 +20,15 @@ def test_soak_reports_each_run_with_the_gloo_bound():
     assert record["failed"] == 0 and len(record["results"]) == 1
     run = record["results"][0]
     assert run["ok"] and run["buckets"] >= 6 and run["max_inflight"] == 1
+
+
+def test_a_run_past_its_timeout_reports_how_far_each_rank_got(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak", os.path.join(ROOT, "tools", "soak.py"))
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    soak._heartbeat(str(tmp_path), 0, 1234)
+    reached = soak._progress(str(tmp_path), 2)
+    assert reached[0].startswith("step 1234, ") and reached[0].endswith("s ago")
+    assert reached[1] == "no step finished"

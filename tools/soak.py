@@ -12,7 +12,9 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,7 +25,26 @@ from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 CFG = GPTConfig(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
 
 
-def _rank_main(rank: int, world: int, steps: int, strategy: gf.Strategy) -> dict:
+def _heartbeat(progress: str, rank: int, step: int) -> None:
+    # The step each rank has reached, so that a run past its timeout can be told apart: slow
+    # (every rank still moving) or hung (a rank's last step long ago).
+    path = Path(progress) / f"rank{rank}"
+    path.with_suffix(".tmp").write_text(f"{step} {time.time()}")
+    path.with_suffix(".tmp").replace(path)
+
+
+def _progress(progress: str, ranks: int) -> dict[int, str]:
+    now, out = time.time(), {}
+    for r in range(ranks):
+        try:
+            step, at = (Path(progress) / f"rank{r}").read_text().split()
+            out[r] = f"step {step}, {now - float(at):.0f}s ago"
+        except (OSError, ValueError):
+            out[r] = "no step finished"
+    return out
+
+
+def _rank_main(rank: int, world: int, steps: int, strategy: gf.Strategy, progress: str) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -32,6 +53,8 @@ def _rank_main(rank: int, world: int, steps: int, strategy: gf.Strategy) -> dict
     t0 = time.perf_counter()
     for i in range(steps):
         loss = dm(batches[i % len(batches)])
+        if i % 50 == 0 or i == steps - 1:
+            _heartbeat(progress, rank, i + 1)
     return {
         "buckets": len(dm.layout.buckets),
         "max_inflight": dm.strategy.max_inflight_collectives,
@@ -42,11 +65,13 @@ def _rank_main(rank: int, world: int, steps: int, strategy: gf.Strategy) -> dict
 
 def one_run(args, strategy: gf.Strategy) -> dict:
     t0 = time.monotonic()
-    try:
-        results = run_ranks(_rank_main, args.ranks, args.steps, strategy, threads=args.threads, timeout=args.run_timeout)
-    except AssertionError as e:  # RankFailure, or a hang past the timeout
-        cause = getattr(e, "traceback", str(e)).strip().splitlines() or [""]
-        return {"ok": False, "rank": getattr(e, "rank", None), "error": cause[-1], "seconds": time.monotonic() - t0}
+    with tempfile.TemporaryDirectory(prefix="gf-soak-") as progress:
+        try:
+            results = run_ranks(_rank_main, args.ranks, args.steps, strategy, progress, threads=args.threads, timeout=args.run_timeout)
+        except AssertionError as e:  # RankFailure, or a hang past the timeout
+            cause = getattr(e, "traceback", str(e)).strip().splitlines() or [""]
+            return {"ok": False, "rank": getattr(e, "rank", None), "error": cause[-1], "seconds": time.monotonic() - t0,
+                    "progress": _progress(progress, args.ranks)}
     return {"ok": True, "seconds": time.monotonic() - t0, **results[0]}
 
 
@@ -70,7 +95,7 @@ def main() -> int:
         runs.append(one_run(args, strategy))
         r = runs[-1]
         what = f"ok, {r['buckets']} buckets, max in flight {r['max_inflight']}, {r['step_ms']:.1f} ms/step" if r["ok"] else (
-            f"FAILED (rank {r['rank']}): {r['error']}"
+            f"FAILED (rank {r['rank']}): {r['error']}; reached: {r['progress']}"
         )
         print(f"run {i}: {what} ({r['seconds']:.0f}s)", flush=True)
     failed = [r for r in runs if not r["ok"]]
