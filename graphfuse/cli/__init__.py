@@ -144,9 +144,9 @@ def _exit_status(e: Exception) -> tuple[int, str]:
     """The exit status of an error and its one line."""
     from graphfuse.errors import GraphfuseError
 
-    if isinstance(e, UsageError | GraphfuseError):
+    if isinstance(e, UsageError):  # the command line: a path that is not there, a wrong option
         return EXIT_USAGE, _one_line(e)
-    if isinstance(e, CliFailure):
+    if isinstance(e, CliFailure | GraphfuseError):  # the command ran and failed: a damaged file, a refused model
         return EXIT_FAILED, _one_line(e)
     return EXIT_FAILED, f"{type(e).__name__}: {_one_line(e)} (unexpected: rerun with --debug for the traceback)"
 
