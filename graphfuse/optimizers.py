@@ -259,6 +259,21 @@ def _asgd(spec, param, grad, states, scalars):
     return param, {"ax": torch.where(scalars["average"], averaged, param)}
 
 
+def torch_host_states(spec: GroupSpec, step: int) -> dict[str, T]:
+    """The per-parameter 0-d states torch.optim keeps after `step` steps besides `step` that
+    graphfuse computes on the host (the same for every parameter of a group): written into
+    checkpoints so that plain torch.optim resumes from them exactly."""
+    if spec.kind == "nadam":
+        values = {"mu_product": _mu_product(spec, step)}
+    elif spec.kind == "asgd":  # after step k torch holds the eta and mu that step k + 1 uses
+        host = _asgd_host(spec, spec.lr, spec.weight_decay, step + 1)
+        values = {"eta": host["eta"], "mu": host["mu"]}
+    else:
+        values = {}
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return {name: torch.tensor(value, dtype=dtype) for name, value in values.items()}
+
+
 def _fixed(*names: str) -> Callable:
     return lambda spec: names
 

@@ -237,3 +237,38 @@ def test_training_resumed_from_a_checkpoint_continues_bitwise(name, mode, tmp_pa
     for batch in batches[3:]:
         assert torch.equal(dm_a(batch), dm_b(batch))
     assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("name", ["nadam", "asgd"])
+def test_plain_torch_optimizer_resumes_from_a_balanced_checkpoint_bitwise(name, tmp_path):
+    """A balanced checkpoint holds the 0-d states graphfuse computes on the host (NAdam's
+    mu_product, ASGD's eta and mu): loaded through DCP into a plain model and its
+    foreach=False optimizer, the next step equals graphfuse's, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    batches = mlp_batches(6)
+    torch.manual_seed(0)
+    model = MLP()
+    dm = gf.compile(model, OPTIMIZERS[name](model), mlp_loss, batches[0])
+    for batch in batches[:5]:  # ASGD averages from step 4 on
+        dm(batch)
+    gf.save(dm, str(tmp_path / "ckpt"), mode="balanced")
+
+    plain = MLP()
+    optimizer = OPTIMIZERS[name](plain)
+    mlp_loss(plain, batches[0]).backward()
+    optimizer.step()  # so the optimizer has state tensors for DCP to fill
+    optimizer.zero_grad()
+    msd, osd = get_state_dict(plain, optimizer)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+    set_state_dict(plain, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    host = {"nadam": {"mu_product"}, "asgd": {"eta", "mu"}}[name]
+    assert all(host <= set(state) and state["step"].item() == 5 for state in optimizer.state.values())
+
+    loss = mlp_loss(plain, batches[5])
+    loss.backward()
+    optimizer.step()
+    assert torch.equal(loss.detach(), dm(batches[5]))
+    ours = dict(model.named_parameters())
+    assert all(torch.equal(p, ours[n]) for n, p in plain.named_parameters())
