@@ -273,7 +273,7 @@ def _add_updates(graph: torch.fx.Graph, info: _ModelInfo, grad_of: dict[str, tor
             with param_val.fake_mode:
                 for t_node in template.nodes:
                     if t_node.op == "call_function":
-                        val_map[t_node].meta["val"] = torch.empty_like(param_val)
+                        val_map[t_node].meta["val"] = torch.empty_like(param_val, dtype=t_node.meta["val"].dtype)
             new_params.append((sig.OutputSpec(sig.NEW_PARAM, fqn, fqn), new[0]))
             new_states += [(sig.OutputSpec(sig.NEW_STATE, f"{fqn}.{s}", f"{fqn}.{s}"), n) for s, n in zip(gspec.state_names, new[1:])]
     return new_params + new_states
@@ -301,7 +301,8 @@ def _trace_update(spec: gopt.GroupSpec, dtype: torch.dtype, device: str) -> torc
     graph = make_fx(update_function(spec), tracing_mode="fake")(*tensors, *scalars).graph
     for n in graph.nodes:
         val = n.meta.get("val")
-        if n.op == "call_function" and (tuple(val.shape) != shape or val.dtype != dtype):
+        # Boolean masks of the same shape (Rprop's sign tests) are elementwise too.
+        if n.op == "call_function" and (tuple(val.shape) != shape or val.dtype not in (dtype, torch.bool)):
             raise UnsupportedError(f"the {spec.kind} update is not elementwise: {n.format_node()} gives {val.shape} {val.dtype}")
     return graph
 

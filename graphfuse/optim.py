@@ -53,6 +53,13 @@ class GroupSpec:
     lr_decay: float = 0.0  # Adagrad
     momentum_decay: float = 0.0  # NAdam
     rho: float = 0.0  # Adadelta
+    etaminus: float = 0.0  # Rprop's etas
+    etaplus: float = 0.0
+    step_size_min: float = 0.0  # Rprop's step_sizes
+    step_size_max: float = 0.0
+    lr: float = 0.0  # ASGD only: its eta follows the previous step's lr, so lr is baked in
+    lambd: float = 0.0  # ASGD (with alpha)
+    t0: float = 0.0  # ASGD
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -90,15 +97,19 @@ def _float(value, what: str, cls_name: str) -> float:
     return float(value)
 
 
+# Hyper-parameters torch.optim takes as pairs, and the GroupSpec fields they fill.
+PAIRS = {"betas": ("beta1", "beta2"), "etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step_size_max")}
+
+
 def _hyper(kind: str, cls_name: str, group: dict, g: int) -> dict:
     """The group's baked-in hyper-parameters as GroupSpec fields."""
     out: dict = {}
     for key in RULES[kind].hyper:
-        if key == "betas":
-            b1, b2 = group["betas"]
-            if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
-                raise UnsupportedError(f"{cls_name} param group {g}: tensor betas are not supported; pass floats")
-            out["beta1"], out["beta2"] = float(b1), float(b2)
+        if key in PAIRS:
+            a, b = group[key]
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                raise UnsupportedError(f"{cls_name} param group {g}: tensor {key} are not supported; pass floats")
+            out[PAIRS[key][0]], out[PAIRS[key][1]] = float(a), float(b)
         elif key == "decoupled":
             out[key] = bool(group.get("decoupled_weight_decay", cls_name == "AdamW"))
         elif isinstance(GroupSpec.__dataclass_fields__[key].default, bool):
@@ -189,14 +200,20 @@ def check_group_unchanged(spec: GroupSpec, group: dict, g: int) -> None:
         current.pop("decoupled", None)
     for key in current:
         if current[key] != traced[key]:
-            if key.startswith("beta"):
-                key, old, new = "betas", (spec.beta1, spec.beta2), (current["beta1"], current["beta2"])
+            pair = next((p for p, fields in PAIRS.items() if key in fields), None)
+            if pair:
+                a, b = PAIRS[pair]
+                key, old, new = pair, (traced[a], traced[b]), (current[a], current[b])
             else:
                 old, new = traced[key], current[key]
+            if spec.kind == "asgd":
+                may = "nothing may change between steps (ASGD's eta follows the previous step's lr, " \
+                    "so lr is baked in: use a constant lr with ASGD, no scheduler)"
+            else:
+                may = "only lr" + (" and weight_decay" if "decay" in spec.scalar_names else "") + " may change between steps"
             raise UnsupportedError(
-                f"param group {g}: {key} changed from {old} to {new} after gf.compile; only lr"
-                + (" and weight_decay" if "decay" in spec.scalar_names else "")
-                + " may change between steps. Re-run gf.compile to use the new value"
+                f"param group {g}: {key} changed from {old} to {new} after gf.compile; {may}. "
+                "Re-run gf.compile to use the new value"
             )
 
 

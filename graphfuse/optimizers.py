@@ -219,6 +219,61 @@ def _adadelta(spec, param, grad, states, scalars):
     return _sub_lr(param, delta, scalars["lr"]), {"square_avg": square_avg, "acc_delta": acc_delta}
 
 
+# ---- Rprop ----------------------------------------------------------------------------------
+def _rprop(spec, param, grad, states, scalars):
+    # torch's step-size state starts at lr (the first step's), graphfuse's at zero: `first` selects.
+    step_size = torch.where(scalars["first"], scalars["lr"], states["step_size"])
+    sign = torch.sign(torch.mul(grad, states["prev"]))
+    # torch's `sign[sign.gt(0)] = etaplus`...: a filled tensor, as where(mask, scalar) traces a 0-d one.
+    sign = torch.where(torch.gt(sign, 0), torch.full_like(sign, spec.etaplus), sign)
+    sign = torch.where(torch.lt(sign, 0), torch.full_like(sign, spec.etaminus), sign)
+    sign = torch.where(torch.eq(sign, 0), torch.full_like(sign, 1.0), sign)
+    step_size = torch.clamp(torch.mul(step_size, sign), spec.step_size_min, spec.step_size_max)
+    grad = torch.where(torch.eq(sign, spec.etaminus), torch.zeros_like(grad), grad)
+    param = torch.addcmul(param, torch.sign(grad), step_size, value=-1)
+    return param, {"prev": grad, "step_size": step_size}
+
+
+# ---- ASGD -----------------------------------------------------------------------------------
+def _scalar_dtype_round(value: float) -> float:
+    """torch.optim keeps its 0-d states in the default scalar dtype (float32 unless float64)."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return float(torch.tensor(value, dtype=dtype))
+
+
+def _asgd_host(spec, lr, wd, step):
+    """eta and mu of step `step`: torch stores them after step - 1 from that step's lr, which
+    equals this one's (graphfuse refuses an ASGD lr change, see optim.check_group_unchanged)."""
+    prev = float(step - 1)
+    eta = _scalar_dtype_round(lr if step == 1 else lr / ((1 + spec.lambd * lr * prev) ** spec.alpha))
+    mu = 1.0 if step == 1 else _scalar_dtype_round(1 / max(1, prev - spec.t0))
+    return {"shrink": 1 - spec.lambd * eta, "eta": eta, "mu": mu, "average": mu != 1}
+
+
+def _asgd(spec, param, grad, states, scalars):
+    if spec.weight_decay != 0:
+        grad = torch.add(grad, param, alpha=spec.weight_decay)
+    param = _sub_lr(torch.mul(param, scalars["shrink"]), grad, scalars["eta"])
+    # torch copies the parameter while mu is 1, else moves ax towards it by mu.
+    averaged = torch.add(states["ax"], torch.mul(torch.sub(param, states["ax"]), scalars["mu"]))
+    return param, {"ax": torch.where(scalars["average"], averaged, param)}
+
+
+def torch_host_states(spec: GroupSpec, step: int) -> dict[str, T]:
+    """The per-parameter 0-d states torch.optim keeps after `step` steps besides `step` that
+    graphfuse computes on the host (the same for every parameter of a group): written into
+    checkpoints so that plain torch.optim resumes from them exactly."""
+    if spec.kind == "nadam":
+        values = {"mu_product": _mu_product(spec, step)}
+    elif spec.kind == "asgd":  # after step k torch holds the eta and mu that step k + 1 uses
+        host = _asgd_host(spec, spec.lr, spec.weight_decay, step + 1)
+        values = {"eta": host["eta"], "mu": host["mu"]}
+    else:
+        values = {}
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return {name: torch.tensor(value, dtype=dtype) for name, value in values.items()}
+
+
 def _fixed(*names: str) -> Callable:
     return lambda spec: names
 
@@ -245,6 +300,10 @@ RULES: dict[str, Rule] = {
              lambda s: _decay(s) + ("lr", "bc1", "bc2_sqrt", "rect", "rectified"), _radam_host, _radam),
         Rule("adadelta", ("rho", *_BASE), _fixed("square_avg", "acc_delta"), _fixed("lr"),
              lambda s, lr, wd, step: {"lr": lr}, _adadelta),
+        Rule("rprop", ("etas", "step_sizes", "maximize"), _fixed("prev", "step_size"), _fixed("lr", "first"),
+             lambda s, lr, wd, step: {"lr": lr, "first": step == 1}, _rprop),
+        Rule("asgd", ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize"), _fixed("ax"),
+             _fixed("shrink", "eta", "mu", "average"), _asgd_host, _asgd),
     )
 }
 
@@ -252,5 +311,6 @@ RULES: dict[str, Rule] = {
 CLASSES: dict[str, str] = {
     "AdamW": "adam", "Adam": "adam", "SGD": "sgd", "RMSprop": "rmsprop", "Adagrad": "adagrad",
     "Adamax": "adamax", "NAdam": "nadam", "RAdam": "radam", "Adadelta": "adadelta",
+    "Rprop": "rprop", "ASGD": "asgd",
 }
-BOOL_SCALARS = ("first", "rectified")  # host flags that select between traced branches
+BOOL_SCALARS = ("first", "rectified", "average")  # host flags that select between traced branches

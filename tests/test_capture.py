@@ -134,8 +134,9 @@ def sgd_dampening(model: nn.Module, **kw) -> torch.optim.Optimizer:
 
 # ---- the comparison -----------------------------------------------------------------------
 # Per-parameter 0-d states torch.optim keeps that graphfuse computes on the host from the
-# step count (the group's step, compared below; NAdam's mu_product, which the parameters check).
-HOST_STATES = ("step", "mu_product")
+# step count (the group's step, compared below; NAdam's mu_product and ASGD's eta and mu, which
+# the parameters check; test_optimizers.py compares ASGD's too).
+HOST_STATES = ("step", "mu_product", "eta", "mu")
 
 
 def assert_same_state(m_eager: nn.Module, o_eager: torch.optim.Optimizer, m_gf: nn.Module, dm: gf.DistModel, when: str) -> None:

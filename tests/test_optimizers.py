@@ -4,6 +4,8 @@ whose update is not elementwise are refused by name. 2-rank runs are in test_zoo
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -37,14 +39,59 @@ OPTIMIZERS = {
     "adamw": lambda m: torch.optim.AdamW(_groups(m, 0.1, betas=(0.8, 0.9)), lr=1e-2, foreach=False),
     "adam_amsgrad": lambda m: torch.optim.Adam(_groups(m, 1e-2), lr=1e-2, amsgrad=True, foreach=False),
     "sgd_nesterov": lambda m: torch.optim.SGD(_groups(m, 1e-3), lr=5e-2, momentum=0.9, nesterov=True, foreach=False),
+    "rprop": lambda m: torch.optim.Rprop(_groups(m, 0.0, etas=(0.3, 1.5), step_sizes=(1e-4, 2e-3)), lr=1e-2, foreach=False),
+    "rprop_maximize": lambda m: torch.optim.Rprop(_groups(m, 0.0), lr=1e-3, maximize=True, foreach=False),
+    # ASGD bakes its lr in (no scheduler, see test_asgd_...); t0=2 starts the averaging at step 4.
+    "asgd": lambda m: torch.optim.ASGD(_groups(m, 1e-2, t0=1e6), lr=5e-2, lambd=1e-2, t0=2.0, foreach=False),
 }
+SCHEDULED = [name for name in OPTIMIZERS if not name.startswith("asgd")]
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", SCHEDULED)
 def test_optimizer_is_bitwise_equal_to_its_single_tensor_form(name):
     dm = run_bitwise(MLP, OPTIMIZERS[name], mlp_loss, mlp_batches(STEPS), freeze=freeze_first_layer)
     assert dm.program.optim.cls_name == type(OPTIMIZERS[name](MLP())).__name__
     assert dm.steps == [STEPS, STEPS]
+
+
+def test_asgd_is_bitwise_equal_to_its_single_tensor_form():
+    """ASGD at a constant lr per group (two groups, one averaging from step 4, one never):
+    parameters, `ax`, and the 0-d eta and mu graphfuse computes on the host, after every step."""
+    from test_capture import assert_same_state
+
+    torch.manual_seed(0)
+    m_eager = MLP()
+    freeze_first_layer(m_eager)
+    m_gf = copy.deepcopy(m_eager)
+    o_eager, o_gf = OPTIMIZERS["asgd"](m_eager), OPTIMIZERS["asgd"](m_gf)
+    batches = mlp_batches(STEPS)
+    dm = gf.compile(m_gf, o_gf, mlp_loss, batches[0])
+    averaged = False
+    for i, batch in enumerate(batches):
+        o_eager.zero_grad()
+        loss = mlp_loss(m_eager, batch)
+        loss.backward()
+        o_eager.step()
+        assert torch.equal(loss.detach(), dm(batch)), f"step {i}: loss differs"
+        assert_same_state(m_eager, o_eager, m_gf, dm, f"step {i}")
+        for g, (spec, group) in enumerate(zip(dm.program.optim.groups, o_gf.param_groups, strict=True)):
+            host = spec.host_scalars(group["lr"], group["weight_decay"], i + 2)  # what step i + 2 uses
+            averaged |= host["average"]
+            for p in o_eager.param_groups[g]["params"]:
+                state = o_eager.state[p]
+                assert state["eta"].item() == host["eta"] and state["mu"].item() == host["mu"], f"step {i}, group {g}"
+    assert averaged and dm.steps == [STEPS, STEPS]
+
+
+def test_changing_the_lr_of_asgd_is_refused():
+    """ASGD's eta follows the previous step's lr, which graphfuse does not carry: lr is baked in."""
+    model = MLP()
+    optimizer = OPTIMIZERS["asgd"](model)
+    dm = gf.compile(model, optimizer, mlp_loss, mlp_batches(1)[0])
+    dm(mlp_batches(1)[0])
+    optimizer.param_groups[1]["lr"] = 1e-3
+    with pytest.raises(gf.UnsupportedError, match="param group 1: lr changed from 0.003 to 0.001.*constant lr with ASGD"):
+        dm(mlp_batches(1)[0])
 
 
 def test_every_elementwise_optimizer_of_torch_is_covered():
@@ -59,7 +106,7 @@ def test_every_elementwise_optimizer_of_torch_is_covered():
         for name in dir(torch.optim)
         if isinstance(getattr(torch.optim, name), type) and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
     }
-    unknown = classes - set(CLASSES) - set(NOT_ELEMENTWISE) - {"Optimizer", "ASGD", "Rprop"}
+    unknown = classes - set(CLASSES) - set(NOT_ELEMENTWISE) - {"Optimizer"}
     assert not unknown, f"torch.optim classes graphfuse neither compiles nor refuses with a reason: {unknown}"
 
 
@@ -76,8 +123,7 @@ def _refused(name: str):
         "LBFGS": lambda: torch.optim.LBFGS(m.parameters()),
         "SparseAdam": lambda: torch.optim.SparseAdam(list(m.parameters())),
         "Muon": lambda: Muon(m.parameters()),
-        "ASGD": lambda: torch.optim.ASGD(m.parameters()),
-        "Rprop": lambda: torch.optim.Rprop(m.parameters()),
+        "Adafactor": lambda: torch.optim.Adafactor(m.parameters()),
     }[name](), m
 
 
@@ -87,8 +133,7 @@ def _refused(name: str):
         ("LBFGS", "closure"),
         ("SparseAdam", "sparse"),
         ("Muon", "orthogonalises each weight matrix"),
-        ("ASGD", "supported: torch.optim.AdamW"),
-        ("Rprop", "supported: torch.optim.AdamW"),
+        ("Adafactor", "row and column sums"),
     ],
 )
 def test_optimizer_that_is_not_elementwise_is_refused_by_name(name, why):
@@ -115,7 +160,7 @@ def test_changing_a_baked_rmsprop_option_is_refused():
         dm(mlp_batches(1)[0])
 
 
-DP_OPTIMIZERS = ("nadam_decoupled", "rmsprop_centered_momentum", "radam")
+DP_OPTIMIZERS = ("nadam_decoupled", "rmsprop_centered_momentum", "radam", "rprop", "asgd")
 
 
 def _data_parallel(rank: int, world: int, names: tuple[str, ...]) -> dict:
@@ -168,7 +213,10 @@ def test_every_optimizer_update_can_be_saved_in_a_program_file(tmp_path):
         assert gf.load_program(tmp_path / name).optim == program.optim, name
 
 
-@pytest.mark.parametrize(("name", "mode"), [("nadam", "balanced"), ("adagrad", "unbalanced"), ("radam", "balanced")])
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [("nadam", "balanced"), ("adagrad", "unbalanced"), ("radam", "balanced"), ("rprop", "unbalanced"), ("asgd", "balanced")],
+)
 def test_training_resumed_from_a_checkpoint_continues_bitwise(name, mode, tmp_path):
     """The host-computed per-step values (NAdam's mu_product, Adagrad's decayed lr, RAdam's
     rectification) come back from the saved step count: a resumed run equals an unbroken one."""
@@ -189,3 +237,38 @@ def test_training_resumed_from_a_checkpoint_continues_bitwise(name, mode, tmp_pa
     for batch in batches[3:]:
         assert torch.equal(dm_a(batch), dm_b(batch))
     assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("name", ["nadam", "asgd"])
+def test_plain_torch_optimizer_resumes_from_a_balanced_checkpoint_bitwise(name, tmp_path):
+    """A balanced checkpoint holds the 0-d states graphfuse computes on the host (NAdam's
+    mu_product, ASGD's eta and mu): loaded through DCP into a plain model and its
+    foreach=False optimizer, the next step equals graphfuse's, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    batches = mlp_batches(6)
+    torch.manual_seed(0)
+    model = MLP()
+    dm = gf.compile(model, OPTIMIZERS[name](model), mlp_loss, batches[0])
+    for batch in batches[:5]:  # ASGD averages from step 4 on
+        dm(batch)
+    gf.save(dm, str(tmp_path / "ckpt"), mode="balanced")
+
+    plain = MLP()
+    optimizer = OPTIMIZERS[name](plain)
+    mlp_loss(plain, batches[0]).backward()
+    optimizer.step()  # so the optimizer has state tensors for DCP to fill
+    optimizer.zero_grad()
+    msd, osd = get_state_dict(plain, optimizer)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+    set_state_dict(plain, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    host = {"nadam": {"mu_product"}, "asgd": {"eta", "mu"}}[name]
+    assert all(host <= set(state) and state["step"].item() == 5 for state in optimizer.state.values())
+
+    loss = mlp_loss(plain, batches[5])
+    loss.backward()
+    optimizer.step()
+    assert torch.equal(loss.detach(), dm(batches[5]))
+    ours = dict(model.named_parameters())
+    assert all(torch.equal(p, ours[n]) for n, p in plain.named_parameters())

@@ -15,6 +15,7 @@ from graphfuse.checkpoint.plan import MASTER, Piece, StatePlan, plan_of
 from graphfuse.checkpoint.record import FORMAT, MODES, Record
 from graphfuse.checkpoint.storage import Chunks
 from graphfuse.errors import CheckpointError, CheckpointMismatchError, UnsupportedError
+from graphfuse.optimizers import torch_host_states
 
 SCHEDULER_KEYS = {"initial_lr"}  # hyper-parameters torch's LR schedulers add to any optimizer's groups
 
@@ -123,8 +124,11 @@ def state_dict(dm, mode: str | None = None) -> dict:
     sd["model"].update(_other_model_entries(dm))
     carried.add_to(sd, dm)
     for g in p.step_groups:
+        # torch.optim's 0-d states that graphfuse derives from the step (NAdam's mu_product,
+        # ASGD's eta and mu): saved so that plain torch.optim resumes exactly; loading ignores them.
+        host = torch_host_states(dm.program.optim.groups[g], dm.steps[g])
         for fqn in p.groups[g]:
-            sd["optim"]["state"].setdefault(fqn, {})["step"] = torch.tensor(float(dm.steps[g]))
+            sd["optim"]["state"].setdefault(fqn, {}).update(step=torch.tensor(float(dm.steps[g])), **{k: v.clone() for k, v in host.items()})
     sd["optim"]["param_groups"] = _param_groups(dm, p)
     sd["graphfuse"] = dataclasses.asdict(record_of(dm, p, mode))
     return sd

@@ -27,11 +27,11 @@ ALLOWED: dict[str, frozenset[str]] = {
         _scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward
         _scaled_dot_product_cudnn_attention _scaled_dot_product_cudnn_attention_backward
         _softmax _softmax_backward_data _to_copy _unsafe_view abs add addcdiv addcmul addmm alias arange bmm cat
-        clamp_max clone constant_pad_nd convolution convolution_backward cos detach div embedding
-        embedding_dense_backward expand gather gelu gelu_backward le lerp lift_fresh_copy
+        clamp clamp_max clone constant_pad_nd convolution convolution_backward cos detach div embedding
+        embedding_dense_backward eq expand full_like gather gelu gelu_backward gt le lerp lift_fresh_copy lt
         max_pool2d_with_indices max_pool2d_with_indices_backward maximum mean mm mse_loss mse_loss_backward mul
         native_batch_norm_backward native_layer_norm native_layer_norm_backward neg new_zeros
-        nll_loss_backward nll_loss_forward ones_like pow reciprocal relu reshape rsqrt scalar_tensor silu silu_backward sin
+        nll_loss_backward nll_loss_forward ones_like pow reciprocal relu reshape rsqrt scalar_tensor sign silu silu_backward sin zeros_like
         slice slice_backward split sqrt square squeeze sub sum t tanh tanh_backward threshold_backward transpose
         unsqueeze view where
     """.split()),
