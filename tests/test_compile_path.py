@@ -186,26 +186,44 @@ def test_accumulation_adds_shards_of_several_backward_calls():
         assert diff <= 1e-6, diff  # the sum of averages rounds unlike the average of sums
 
 
-def _hf_gpt2(rank, world):
+def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch._dynamo.reset()
     cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def llama():
+    """A Llama-shaped model from a tiny config (no download): RMSNorm, rotary embeddings,
+    grouped-query attention through SDPA, SwiGLU, untied LM head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def lm_loss(model, batch):
+    return model(batch[0], labels=batch[0]).loss
+
+
+def _hf(rank: int, world: int, build) -> dict:
+    """`build()`'s model trained GPT_STEPS through torch.compile(backend="graphfuse") +
+    gf.shard_optimizer, next to eager DDP + AdamW(foreach=False) from the same weights."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
-    ref = GPT2LMHeadModel(cfg)
+    ref = build()
     torch.manual_seed(0)
-    mine = GPT2LMHeadModel(cfg)
+    mine = build()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
     opt = gf.shard_optimizer(torch.optim.AdamW(mine.parameters(), lr=3e-3, weight_decay=0.1), gf.Strategy(bucket_size_mb=0.02), model=mine)
     compiled = torch.compile(mine, backend="graphfuse")
-
-    def loss_fn(model, batch):
-        return model(batch[0], labels=batch[0]).loss
-
     out = {"loss_diff": 0.0, "reductions": set()}
     for batch in synthetic_tokens(CFG, 4, GPT_STEPS, seed=rank):
-        ref_loss = ddp_step(ref, ref_opt, [batch], world, layout=opt.layout, loss_fn=loss_fn)
-        loss = sharded_step(compiled, opt, [batch], loss_fn)
+        ref_loss = ddp_step(ref, ref_opt, [batch], world, layout=opt.layout, loss_fn=lm_loss)
+        loss = sharded_step(compiled, opt, [batch], lm_loss)
         out["loss_diff"] = max(out["loss_diff"], ((loss - ref_loss).abs() / ref_loss.abs()).item())
         out["reductions"] |= set(opt.last_reductions.values())
     out["param_diff"] = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
@@ -214,10 +232,20 @@ def _hf_gpt2(rank, world):
     return out
 
 
-def test_transformers_gpt2_trains_20_steps_like_eager_ddp_adamw():
-    for r in run_ranks(_hf_gpt2, 2):
-        assert r["param_diff"] <= PARAM_TOL and r["loss_diff"] <= LOSS_TOL, r
-        assert r["reductions"] == {1} and r["in_backward"] == r["buckets"] > 1, r
+def _transformers(rank, world):
+    """One spawned run per world size trains both models (spawning and importing transformers
+    cost more than the training)."""
+    return {"gpt2": _hf(rank, world, _gpt2), "llama": _hf(rank, world, llama)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_transformers_gpt2_and_llama_train_20_steps_like_eager_ddp_adamw(world):
+    results = [_transformers(0, 1)] if world == 1 else run_ranks(_transformers, world)
+    for both in results:
+        for name, r in both.items():
+            print(f"{name} world {world}: param diff {r['param_diff']:.2e}, loss diff {r['loss_diff']:.2e}")
+            assert r["param_diff"] <= PARAM_TOL and r["loss_diff"] <= LOSS_TOL, (name, r)
+            assert r["reductions"] == {1} and r["in_backward"] == r["buckets"] > 1, (name, r)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
