@@ -308,11 +308,16 @@ def test_backend_name_works_from_a_source_tree_without_entry_point(tmp_path, dyn
     without site processing (-S) whose site-packages lack graphfuse's dist-info, so the
     torch_dynamo_backends entry point is really absent. With dynamo imported first, its
     entry points are already read when graphfuse registers."""
-    shutil.copytree(Path(gf.__file__).parent, tmp_path / "src" / "graphfuse", ignore=shutil.ignore_patterns("__pycache__"))
+    import graphfuse.passes
+
+    src, skip = tmp_path / "src" / "graphfuse", shutil.ignore_patterns("__pycache__", "passes")
+    shutil.copytree(Path(gf.__file__).parent, src, ignore=skip)  # the installed layout: passes/ inside
+    shutil.copytree(Path(graphfuse.passes.__file__).parent, src / "passes", ignore=skip)
     path = [str(tmp_path / "src"), *_site_without_graphfuse(tmp_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     code = FROM_SOURCE.replace("DYNAMO_FIRST", str(dynamo_first))
-    run = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    # cwd: `-c` puts it first on sys.path, and the worktree's own graphfuse/ must not be found
+    run = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     facts = json.loads(run.stdout.splitlines()[-1])
     assert not facts["entry_point_before"] and not facts.get("listed_before"), facts
