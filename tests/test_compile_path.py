@@ -1,6 +1,6 @@
-"""torch.compile(model, backend="graphfuse") + gf.shard_optimizer: each bucket reduce-scattered
-inside the compiled backward right after its last gradient; a GPT-2-shaped model trained 20 steps
-at 1, 2 and 3 Gloo ranks against eager DDP + AdamW(foreach=False); graph breaks."""
+"""torch.compile(model, backend="graphfuse") + gf.shard_optimizer: one reduce-scatter per bucket in
+the backward; GPT, transformers GPT-2 and Llama trained 20 steps at 1-3 Gloo ranks like eager DDP +
+AdamW(foreach=False); graph breaks; the backend's name without the installed entry point."""
 
 import json
 import os

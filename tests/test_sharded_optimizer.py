@@ -1,6 +1,6 @@
-"""gf.shard_optimizer as a complete optimizer for an eager backward: bitwise against eager
-DDP-style data parallelism (all-reduce average) + AdamW(foreach=False) at 1, 2 and 3 Gloo ranks,
-with gradient accumulation, an LR scheduler on it, FQNs in the layout and torch.optim's state form; a transformers Llama-shaped model bitwise at 2 ranks."""
+"""gf.shard_optimizer for an eager backward: bitwise against eager DDP-style data parallelism +
+AdamW(foreach=False) at 1-3 Gloo ranks (accumulation, LR scheduler, FQNs, torch.optim's state
+form), and for a transformers Llama-shaped model at 2 ranks."""
 
 import pytest
 import torch
