@@ -3,6 +3,7 @@ over one traced training step (forward, backward and optimizer update)."""
 
 from __future__ import annotations
 
+from graphfuse import backend
 from graphfuse.backend import ShardedOptimizer, shard_optimizer
 from graphfuse.capture import capture
 from graphfuse.errors import (
@@ -21,6 +22,8 @@ from graphfuse.signature import Signature
 from graphfuse.strategy import Strategy
 
 __version__ = "0.1.0"
+
+backend.register()  # backend="graphfuse" for torch.compile, also when imported from a source tree
 
 
 compile = DistModel

@@ -5,7 +5,10 @@ hands the shards to that optimizer; the parameters' own gradients stay None."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+import pathlib
+import sys
 
 import torch
 
@@ -15,7 +18,7 @@ from graphfuse.inductor import active_workarounds, compile_graph
 from graphfuse.sharded_optimizer import OPTIMIZERS, ShardedOptimizer, shard_optimizer
 from graphfuse.update_program import capture_update
 
-__all__ = ["ShardedOptimizer", "capture_update", "graphfuse_backend", "shard_optimizer"]
+__all__ = ["ShardedOptimizer", "capture_update", "graphfuse_backend", "register", "shard_optimizer"]
 
 log = logging.getLogger("graphfuse")
 
@@ -129,3 +132,51 @@ def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tenso
         return compiled(*args)
 
     return run
+
+
+ENTRY_POINT = "[torch_dynamo_backends]\ngraphfuse = graphfuse.backend:graphfuse_backend\n"
+
+
+class _SourceTreeDistribution(importlib.metadata.Distribution):
+    """What `pip install` would declare for graphfuse, for a graphfuse imported from a source
+    tree (PYTHONPATH): its name, version and torch_dynamo_backends entry point."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename == "entry_points.txt":
+            return ENTRY_POINT
+        if filename == "METADATA":
+            from graphfuse import __version__
+
+            return f"Metadata-Version: 2.1\nName: graphfuse\nVersion: {__version__}\n"
+        return None
+
+    def locate_file(self, path):
+        return pathlib.Path(__file__).parent.parent / path
+
+
+class _SourceTreeFinder:
+    """A sys.meta_path entry that finds no module, only graphfuse's distribution metadata."""
+
+    @staticmethod
+    def find_spec(*args, **kwargs) -> None:
+        return None
+
+    @staticmethod
+    def find_distributions(context=None):
+        if getattr(context, "name", None) in (None, "graphfuse"):
+            yield _SourceTreeDistribution()
+
+
+def register() -> None:
+    """Make backend="graphfuse" known to torch.compile when graphfuse is not pip-installed.
+    Installed, its entry point does it (and a second registration would make dynamo raise
+    "duplicate name"). Not installed, graphfuse declares the same entry point through a
+    metadata finder, which dynamo reads when it first looks a backend name up, so importing
+    graphfuse does not import torch._dynamo (0.4 s); if dynamo has already read the entry
+    points, the backend is registered directly."""
+    if "graphfuse" in importlib.metadata.entry_points(group="torch_dynamo_backends").names:
+        return
+    sys.meta_path.append(_SourceTreeFinder())
+    registry = sys.modules.get("torch._dynamo.backends.registry")
+    if registry is not None and "graphfuse" not in registry._COMPILER_FNS:
+        registry.register_backend(graphfuse_backend, name="graphfuse")
