@@ -51,11 +51,11 @@ def test_sigkill_during_saves_always_leaves_a_checkpoint_that_loads_bitwise(tmp_
     rng = random.Random(f"kill-{mode}-{async_}")
     path = tmp_path / "ckpt"
     code = f"import sys; sys.path.insert(0, {HERE!r}); import test_checkpoint_kill as t; t.child({str(path)!r}, {mode!r}, {async_!r})"
-    for _ in range(3):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        assert proc.stdout.readline().strip() == "ready"
+    for trial in range(3):
+        with open(tmp_path / f"child{trial}.err", "w") as err:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True)
+        ready = proc.stdout.readline().strip()
+        assert ready == "ready", f"trial {trial}: the child ended before saving: {(tmp_path / f'child{trial}.err').read_text()[-3000:]}"
         time.sleep(rng.uniform(0.0, 1.5))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -255,6 +255,31 @@ def test_a_live_savers_lock_refuses_a_second_saver_and_a_loader(saved, tmp_path)
     assert lock.exists(), "another saver's lock is not ours to remove"
 
 
+@pytest.mark.parametrize("at", ["writing the holder", "linking the lock into place"])
+def test_a_saver_killed_while_it_takes_the_lock_leaves_no_lock(tmp_path, monkeypatch, at):
+    """A saver killed between creating the lock and writing who holds it left an empty lock that
+    every later save took for a held one (seen: a SIGKILL test's next save refused)."""
+    from graphfuse.checkpoint import directory
+
+    final = tmp_path / "ckpt"
+
+    def killed(*args, **kwargs):  # stands for SIGKILL at that instant
+        raise KeyboardInterrupt
+
+    if at == "writing the holder":
+        monkeypatch.setattr(json, "dump", killed)
+        monkeypatch.setattr(json, "dumps", killed)
+    else:
+        monkeypatch.setattr(os, "link", killed)
+    with pytest.raises(KeyboardInterrupt):
+        directory.acquire(final, "first")
+    monkeypatch.undo()
+    assert not directory.lock_path(final).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    lock = directory.acquire(final, "second")
+    assert json.loads(lock.read_text())["save_id"] == "second"
+
+
 def test_a_stale_lock_of_a_dead_saver_is_taken_over_and_released(saved, tmp_path):
     path = copy_of(saved["balanced"], tmp_path)
     dead = subprocess.Popen(["true"])

@@ -79,18 +79,24 @@ def acquire(final: Path, save_id: str) -> Path:
     """Take `<path>.lock` for a save (created exclusively, holding host and pid), taking over
     a stale one left by a saver that died on this host; refused while another save holds it."""
     lock = lock_path(final)
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _holder(lock)
-            if holder is not None:
-                raise _held_error(lock, holder, "save again") from None
-            lock.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump({"host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id}, f)
-        return lock
+    # The lock appears whole or not at all: written under a name of this process, then linked
+    # into place (a link fails if the lock exists). Created empty and then written, a saver
+    # killed in between would leave an empty lock that no later save could tell from a held one.
+    mine = lock.with_name(f".{lock.name}.{os.getpid()}")
+    mine.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id}))
+    try:
+        for _ in range(2):
+            try:
+                os.link(mine, lock)
+            except FileExistsError:
+                holder = _holder(lock)
+                if holder is not None:
+                    raise _held_error(lock, holder, "save again") from None
+                lock.unlink(missing_ok=True)
+                continue
+            return lock
+    finally:
+        mine.unlink(missing_ok=True)
     raise CheckpointError(f"{lock}: could not be taken; another saver races for it")
 
 
