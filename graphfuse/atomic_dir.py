@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,10 +53,16 @@ class Kind:
         )
 
     def remove(self, p: Path) -> None:
-        """Remove a directory of this kind (checked again: a user may have put files in it)."""
-        if os.path.lexists(p):
-            self.check_replaceable(p)
-            shutil.rmtree(p)
+        """Remove a directory of this kind (checked again: a user may have put files in it).
+        The file that marks it as ours goes last, so that a removal killed at any point leaves a
+        directory still recognised as ours (or an empty one) for the next save to replace."""
+        if not os.path.lexists(p):
+            return
+        self.check_replaceable(p)  # refuses anything but an empty directory or one of ours
+        last = (MARKER, self.complete)
+        for e in sorted(p.iterdir(), key=lambda e: e.name in last):
+            e.unlink()
+        p.rmdir()
 
 
 def fsync(p: Path) -> None:
