@@ -1,13 +1,17 @@
 """Spawn real process groups on one host (Gloo on CPU, NCCL with one GPU per rank): for the
 demo, the benchmarks and the multi-rank tests. Ranks meet through a file store (no port to
-race for), and a failure is reported from the rank that caused it, not a peer that lost it."""
+race for), a failure is reported from the rank that caused it, not a peer that lost it, and the
+ranks die with the launcher (Linux), however it is killed."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import queue as queue_module
 import re
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -77,7 +81,23 @@ class RankFailure(AssertionError):
         super().__init__("\n".join(lines))
 
 
-def _worker(rank: int, world_size: int, store_path: str, backend: str, threads: int, fn: Callable, args: tuple, queue) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel SIGKILL this rank when the launcher dies, even by SIGKILL (a
+    launcher killed by SIGTERM or by a job scheduler otherwise left its ranks running, holding
+    memory and the GPU). Elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the call above took effect
+        os._exit(1)
+
+
+def _worker(
+    rank: int, world_size: int, store_path: str, backend: str, threads: int, fn: Callable, args: tuple, queue, parent: int
+) -> None:
+    _die_with_parent(parent)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.set_num_threads(threads)
     if backend == "nccl":
@@ -108,7 +128,7 @@ def run_ranks(fn: Callable, world_size: int, *args, backend: str = "gloo", threa
     store_dir = tempfile.mkdtemp(prefix="graphfuse-rdzv-")
     store_path = os.path.join(store_dir, "store")  # a fresh file per run: nothing stale to meet
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, store_path, backend, threads, fn, args, queue))
+        ctx.Process(target=_worker, args=(r, world_size, store_path, backend, threads, fn, args, queue, os.getpid()))
         for r in range(world_size)
     ]
     for p in procs:

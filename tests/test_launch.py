@@ -1,7 +1,11 @@
 """graphfuse.launch: ranks meet without racing for a port, and a failure is reported from the
 rank that caused it (real Gloo groups, real exceptions)."""
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -10,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from graphfuse import launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _sum_of_ranks(rank: int, world: int, offset: int) -> float:
@@ -95,3 +101,47 @@ def test_root_cause_orders_own_failures_before_lost_peers():
     assert cause is earlier_own and others == [own, lost]
     assert launch.is_peer_error("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
     assert not launch.is_peer_error("ValueError: rank 1's own bug")
+
+
+def _write_pid_and_sleep(rank: int, world: int, root: str) -> None:
+    with open(os.path.join(root, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_ranks_die_with_a_killed_launcher(tmp_path, sig):
+    """A launcher killed by SIGTERM (a scheduler's cancel) or SIGKILL left its ranks running."""
+    code = (
+        f"import sys; sys.path.insert(0, {HERE!r}); from graphfuse import launch; import test_launch as t; "
+        f"launch.run_ranks(t._write_pid_and_sleep, 2, {str(tmp_path)!r}, timeout=600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        time.sleep(0.2)  # the pid files are written whole
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        proc.send_signal(sig)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_gone(p) for p in pids), f"ranks {[p for p in pids if not _gone(p)]} outlived the launcher"
+    finally:
+        proc.kill()
+        for r in range(2):
+            f = tmp_path / f"pid{r}"
+            if f.exists() and not _gone(int(f.read_text() or 0)):
+                os.kill(int(f.read_text()), signal.SIGKILL)
