@@ -129,7 +129,11 @@ def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Ca
     """Compile the program with inductor after appending `copy_` of every output into the input
     it replaces, so inductor writes new buckets and shards straight into their storage (one
     read and one write per element) instead of returning new tensors the runtime must copy."""
-    gm = torch.fx.GraphModule(program.graph_module, copy.deepcopy(program.graph))
+    graph = copy.deepcopy(program.graph)
+    # A traced graph names its tracer class, a loaded one none; AOTAutograd's cache key hashes
+    # the module's attributes, so without this a restart missed the entry a fresh start saved.
+    graph._tracer_cls = None
+    gm = torch.fx.GraphModule(program.graph_module, graph)
     graph = gm.graph
     inputs = {s.name: n for s, n in zip(program.signature.inputs, (n for n in graph.nodes if n.op == "placeholder"))}
     out = graph.output_node()

@@ -36,6 +36,21 @@ def active_workarounds() -> dict[str, object]:
     return active
 
 
+def warm_workers() -> None:
+    """Start inductor's pool of kernel-compile workers now, in the background, as
+    torch.compile's inductor backend does when dynamo first calls it. graphfuse calls
+    compile_fx directly, so without this the pool was cold at the first step and Triton kernels
+    were compiled (or loaded from the cache) one by one in this process. No-op where the pool
+    is not used (no Triton, compile_threads=1, TORCH_WARM_POOL=0)."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
+    except ImportError:  # a torch without them: the pool starts at the first compile, as before
+        return
+    maybe_warm_pool()
+    if hasattr(AsyncCompile, "wakeup"):
+        AsyncCompile.wakeup()  # the workers start now (the pool alone starts only its sidecar)
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
     """`compile_fx(gm, example_inputs)` under graphfuse's inductor WORKAROUNDS, in a tracing
     context whose fake mode has a ShapeEnv: without one inductor bypasses its FX graph cache

@@ -14,6 +14,7 @@ from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_k
 from graphfuse.errors import UnsupportedError
 from graphfuse.execute import arguments, backend_of, bind_tensors, compile_in_place, group_info, rebind_group, run_step
 from graphfuse.guards import ProgramCache, Snapshot, agree_to_start, batch_change, check_batch
+from graphfuse.inductor import warm_workers
 from graphfuse.layout import BucketLayout
 from graphfuse.param_state import ParamState, gather_shards
 from graphfuse.passes import run_pipeline, verify
@@ -46,6 +47,8 @@ class DistModel:
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
         self.params, self.startup = ParamState(), Phases()
+        if self.strategy.compile == "inductor":
+            warm_workers()  # in the background, while the step is captured and rewritten
         key = batch_key(example_batch)
         program, error = None, None
         try:
@@ -76,6 +79,8 @@ class DistModel:
         self.model, self.optimizer, self.loss_fn = model, optimizer, None
         self.strategy = program.strategy
         self.params, self.startup = ParamState(), Phases()
+        if self.strategy.compile == "inductor":
+            warm_workers()  # in the background, while the program is bound
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         if (self.world_size, self.rank) != (program.world_size, program.rank):
             raise UnsupportedError(

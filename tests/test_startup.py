@@ -1,5 +1,6 @@
 """Start-up: gf.compile logs where its time goes, and a restart from a program file gives inductor
-the same graph as the first start, which its FX graph cache then serves (no second compile)."""
+the same graph as the first start, which AOTAutograd's and inductor's FX graph caches then serve
+(no second trace or compile)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_compile_logs_each_startup_phase_at_info(caplog):
     assert set(dm.startup) == {"capture", "passes", "verify", "bind", "first step"} and all(t > 0 for t in dm.startup.values())
 
 
-def test_program_file_restart_gives_inductor_the_same_graph_and_hits_its_fx_graph_cache(tmp_path, monkeypatch):
+def test_program_file_restart_gives_inductor_the_same_graph_and_hits_its_caches(tmp_path, monkeypatch):
     seen = []
 
     def spy(gm, example_inputs):
@@ -53,6 +54,7 @@ def test_program_file_restart_gives_inductor_the_same_graph_and_hits_its_fx_grap
         dm = gf.compile(model, opt, loss_fn, BATCH, gf.Strategy(compile="inductor"))
         first = dm(BATCH)
         assert counters["inductor"]["fxgraph_cache_miss"] == 1 and counters["inductor"]["fxgraph_cache_hit"] == 0
+        assert counters["aot_autograd"]["autograd_cache_saved"] == 1
         gf.save_program(dm.program, tmp_path / "program")
 
         counters.clear()
@@ -60,6 +62,8 @@ def test_program_file_restart_gives_inductor_the_same_graph_and_hits_its_fx_grap
         restarted = gf.DistModel.from_program(gf.load_program(tmp_path / "program"), model, opt)
         again = restarted(BATCH)
         assert counters["inductor"]["fxgraph_cache_hit"] == 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
+        # and AOTAutograd's cache (it missed while a traced graph's module named its tracer class)
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 1 and counters["aot_autograd"]["autograd_cache_miss"] == 0
         assert "inductor" in restarted.startup
     assert len(seen) == 2 and seen[0] == seen[1]  # byte-identical graph code: the cache key matches
     assert torch.equal(first, again)

@@ -4,13 +4,18 @@ directory, and, for comparison, torch.compile(model) + fused AdamW to its first 
 
     python tools/bench_startup.py --device cpu --layers 2 --embd 64 --heads 4 --block 32 --vocab 256 --batch 2
     python tools/bench_startup.py --device cuda --layers 12 --embd 768 --heads 12 --block 1024 --vocab 50304 --batch 8
+
+`--profile DIR` writes each start's 40 costliest calls (cProfile, cumulative) to DIR/<start>.txt.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -35,6 +40,20 @@ def setup(args):
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def profiled(args) -> dict:
+    """`run(args)`, under cProfile when --profile is given."""
+    if not args.profile:
+        return run(args)
+    prof = cProfile.Profile()
+    result = prof.runcall(run, args)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, f"{args.start}.txt"), "w") as f:
+        f.write(text.getvalue())
+    return result
 
 
 def run(args) -> dict:
@@ -69,9 +88,10 @@ def main() -> None:
     ap.add_argument("--start", choices=["all", "fresh", "restart", "torch_compile"], default="all")
     ap.add_argument("--program", help="program file (internal)")
     ap.add_argument("--cache-dir", help="inductor cache directory (default: a new empty one)")
+    ap.add_argument("--profile", help="directory for each start's cProfile summary")
     args = ap.parse_args()
     if args.start != "all":
-        print(json.dumps(run(args)))
+        print(json.dumps(profiled(args)))
         return
     work = tempfile.mkdtemp(prefix="graphfuse-startup-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": args.cache_dir or os.path.join(work, "cache")}
