@@ -68,7 +68,7 @@ def _window(events, name: str) -> tuple[float, float]:
     return (spans[0].start, spans[0].end) if spans else (0.0, 1.0)
 
 
-def _setup(method: str, cfg: GPTConfig, device: str, bucket_mb: float):
+def _setup(method: str, cfg: GPTConfig, device: str, bucket_mb: float, example):
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     if method == "ddp":
@@ -82,8 +82,7 @@ def _setup(method: str, cfg: GPTConfig, device: str, bucket_mb: float):
     strategy = gf.Strategy(bucket_size_mb=bucket_mb, compile="inductor" if device == "cuda" else "eager")
     if method == "gf_compile":
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        batch = synthetic_tokens(cfg, 1, 1, seed=0)[0]
-        return gf.compile(model, opt, gpt_loss, tuple(t.to(device) for t in batch), strategy), None
+        return gf.compile(model, opt, gpt_loss, example, strategy), None  # traced for the timed batches' shape
     opt = gf.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), strategy, model=model)
     return torch.compile(model, backend="graphfuse"), opt
 
@@ -116,7 +115,7 @@ def _run(rank: int, world: int, args: dict) -> dict:
     out = {}
     for method in args["methods"]:
         torch._dynamo.reset()
-        model, opt = _setup(method, cfg, device, args["bucket_mb"])
+        model, opt = _setup(method, cfg, device, args["bucket_mb"], data[0])
         for b in data[: args["warmup"]]:
             _step(method, model, opt, b)
         times = []
