@@ -371,3 +371,52 @@ def test_plain_torch_optimizer_resumes_from_a_balanced_checkpoint_bitwise(name, 
     assert torch.equal(loss.detach(), dm(batches[5]))
     ours = dict(model.named_parameters())
     assert all(torch.equal(p, ours[n]) for n, p in plain.named_parameters())
+
+
+def _index_form(full: dict) -> dict:
+    """A torch form (keyed by FQN) as a plain torch optimizer's state_dict() (keyed by index)."""
+    index = {fqn: i for i, fqn in enumerate(f for g in full["param_groups"] for f in g["params"])}
+    return {
+        "state": {index[fqn]: state for fqn, state in full["state"].items()},
+        "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in full["param_groups"]],
+    }
+
+
+@pytest.mark.parametrize("name", ["nadam", "asgd"])
+def test_torch_form_of_the_sharded_state_resumes_plain_torch_optim_bitwise(name):
+    """gf.shard_optimizer's state_dict(mode="torch") holds the 0-d states graphfuse computes on
+    the host (NAdam's mu_product, ASGD's eta and mu): a plain foreach=False optimizer loading
+    it, after 5 steps at an lr changed every step, goes on as graphfuse does, bit for bit."""
+    batches = mlp_batches(8)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = gf.shard_optimizer(OPTIMIZERS[name](model), model=model)
+    sched = _decaying(opt)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = mlp_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    for batch in batches[:5]:  # ASGD averages from step 4 on
+        step(model, opt, batch)
+        sched.step()
+    plain = MLP()
+    plain.load_state_dict(model.state_dict())
+    plain_opt = OPTIMIZERS[name](plain)
+    plain_sched = _decaying(plain_opt)  # before the load, which sets the lr the schedule reached
+    plain_opt.load_state_dict(_index_form(opt.state_dict(mode="torch")))
+    plain_sched.load_state_dict(sched.state_dict())
+    host = {"nadam": {"mu_product"}, "asgd": {"eta", "mu"}}[name]
+    assert all(host <= set(state) and state["step"].item() == 5 for state in plain_opt.state.values())
+    for batch in batches[5:]:
+        assert torch.equal(step(model, opt, batch), step(plain, plain_opt, batch))
+        sched.step()
+        plain_sched.step()
+    ours = dict(model.named_parameters())
+    assert all(torch.equal(p, ours[n]) for n, p in plain.named_parameters())
+    again = _index_form(opt.state_dict(mode="torch"))["state"]
+    params = [p for group in plain_opt.param_groups for p in group["params"]]
+    assert all(torch.equal(v, again[i][k]) for i, p in enumerate(params) for k, v in plain_opt.state[p].items())
