@@ -36,7 +36,7 @@ ALLOWED: dict[str, frozenset[str]] = {
         unsqueeze view where
         _grouped_mm _safe_softmax bernoulli copy cumsum empty_like fill floor_divide ge histc index index_put log
         masked_fill minimum permute scatter select select_scatter sigmoid sigmoid_backward slice_scatter sort stack
-        topk unbind unsafe_split zeros
+        topk unbind zeros
     """.split()),
     # The collectives the passes emit: one reduce-scatter and one all-gather per bucket, the
     # clip norm's all-reduce, and the waits.
