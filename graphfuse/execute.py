@@ -102,15 +102,18 @@ def run_step(
     tensors: dict[str, torch.Tensor],
     param_groups: list[dict],
     steps: list[int],
+    carried: list[dict[str, float]],
     per_call: list[torch.Tensor],
 ) -> list[torch.Tensor]:
-    """Fill the host scalars of step `steps`, run the program, and copy every output into the
-    input it replaces. All outputs exist before any state is written: a failed step changes nothing."""
+    """Fill the host scalars of step `steps` (from each group's lr and what the previous step
+    `carried`), run the program, copy every output into the input it replaces, and replace
+    `carried[g]` by what this step leaves for the next (ASGD's eta). All outputs exist before
+    any state is written: a failed step changes nothing."""
     for g, (spec, group) in enumerate(zip(program.optim.groups, param_groups)):
         gopt.check_group_unchanged(spec, group, g)  # all groups first: a refused step writes nothing
-    for g, (spec, group) in enumerate(zip(program.optim.groups, param_groups)):
-        values = spec.host_scalars(float(group["lr"]), float(group.get("weight_decay", 0.0)), steps[g])
-        for name, value in values.items():
+    hyper = [(float(group["lr"]), float(group.get("weight_decay", 0.0))) for group in param_groups]
+    for g, spec in enumerate(program.optim.groups):
+        for name, value in spec.host_scalars(*hyper[g], steps[g], carried[g]).items():
             tensors[f"group{g}.{name}"].fill_(value)
     # Grad mode on, as the step was traced: some kernels differ with it off (oneDNN's LSTM,
     # mkldnn_rnn_layer, returns no workspace for its backward). No input requires grad, so
@@ -122,6 +125,7 @@ def run_step(
             for spec, out in zip(program.signature.outputs, outs):
                 if spec.target is not None:
                     destination(program, tensors, spec).copy_(out)
+    carried[:] = [spec.carried_after(*hyper[g], steps[g]) for g, spec in enumerate(program.optim.groups)]
     return outs
 
 

@@ -57,7 +57,6 @@ class GroupSpec:
     etaplus: float = 0.0
     step_size_min: float = 0.0  # Rprop's step_sizes
     step_size_max: float = 0.0
-    lr: float = 0.0  # ASGD only: its eta follows the previous step's lr, so lr is baked in
     lambd: float = 0.0  # ASGD (with alpha)
     t0: float = 0.0  # ASGD
 
@@ -75,9 +74,22 @@ class GroupSpec:
         """Whether torch.optim keeps a `step` state per parameter (all but SGD)."""
         return self.kind != "sgd"
 
-    def host_scalars(self, lr: float, weight_decay: float, step: int) -> dict[str, float | bool]:
-        """The scalars of step number `step` (1-based), computed exactly as torch.optim does."""
-        return RULES[self.kind].host(self, lr, weight_decay, step)
+    @property
+    def carried_names(self) -> tuple[str, ...]:
+        """What a step leaves for the next that depends on its lr (ASGD's eta), see `carried_after`."""
+        return RULES[self.kind].carried
+
+    def host_scalars(
+        self, lr: float, weight_decay: float, step: int, carried: dict[str, float] | None = None
+    ) -> dict[str, float | bool]:
+        """The scalars of step number `step` (1-based), computed exactly as torch.optim does;
+        `carried` is what step - 1 left (`carried_after`), empty before the first step."""
+        return RULES[self.kind].host(self, lr, weight_decay, step, carried or {})
+
+    def carried_after(self, lr: float, weight_decay: float, step: int) -> dict[str, float]:
+        """The values step `step`, run at `lr`, leaves for the next step (torch.optim's 0-d
+        states that follow the lr, as ASGD's eta: {} for every other optimizer)."""
+        return RULES[self.kind].carry(self, lr, weight_decay, step)
 
 
 @dataclass(frozen=True)
@@ -206,11 +218,7 @@ def check_group_unchanged(spec: GroupSpec, group: dict, g: int) -> None:
                 key, old, new = pair, (traced[a], traced[b]), (current[a], current[b])
             else:
                 old, new = traced[key], current[key]
-            if spec.kind == "asgd":
-                may = "nothing may change between steps (ASGD's eta follows the previous step's lr, " \
-                    "so lr is baked in: use a constant lr with ASGD, no scheduler)"
-            else:
-                may = "only lr" + (" and weight_decay" if "decay" in spec.scalar_names else "") + " may change between steps"
+            may = "only lr" + (" and weight_decay" if "decay" in spec.scalar_names else "") + " may change between steps"
             raise UnsupportedError(
                 f"param group {g}: {key} changed from {old} to {new} after gf.compile; {may}. "
                 "Re-run gf.compile to use the new value"

@@ -20,15 +20,20 @@ T = torch.Tensor
 class Rule:
     """One optimizer: `hyper` are the param-group keys baked into the traced update
     ("betas" fills beta1 and beta2); `states(spec)` and `scalars(spec)` name the update's
-    per-element states and per-step host scalars, `host(spec, lr, wd, step)` computes the
-    scalars of step `step` (1-based) as torch does in Python doubles, `update` is the step."""
+    per-element states and per-step host scalars, `host(spec, lr, wd, step, carried)` computes
+    the scalars of step `step` (1-based) as torch does in Python doubles, `update` is the step.
+    `carry(spec, lr, wd, step)` gives the values named `carried` that step `step` leaves for the
+    next one and that depend on its lr (ASGD's eta; torch keeps them as 0-d states): the runtime
+    hands them to the next step's `host`, and checkpoints save and restore them under their names."""
 
     kind: str
     hyper: tuple[str, ...]
     states: Callable[[GroupSpec], tuple[str, ...]]
     scalars: Callable[[GroupSpec], tuple[str, ...]]
-    host: Callable[[GroupSpec, float, float, int], dict]
+    host: Callable[[GroupSpec, float, float, int, dict], dict]
     update: Callable[[GroupSpec, T, T, dict, dict], tuple[T, dict]]
+    carried: tuple[str, ...] = ()
+    carry: Callable[[GroupSpec, float, float, int], dict[str, float]] = lambda spec, lr, wd, step: {}
 
 
 def _decay(spec: GroupSpec) -> tuple[str, ...]:
@@ -68,7 +73,7 @@ def _adam_states(spec):
     return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if spec.amsgrad else ())
 
 
-def _adam_host(spec, lr, wd, step):
+def _adam_host(spec, lr, wd, step, carried):
     s = float(step)
     return _with_decay(spec, lr, wd, {"neg_step_size": -(lr / (1 - spec.beta1**s)), "bc2_sqrt": (1 - spec.beta2**s) ** 0.5})
 
@@ -86,7 +91,7 @@ def _adam(spec, param, grad, states, scalars):
 
 
 # ---- SGD ------------------------------------------------------------------------------------
-def _sgd_host(spec, lr, wd, step):
+def _sgd_host(spec, lr, wd, step, carried):
     return {"lr": lr} | ({"first": step == 1} if spec.momentum != 0 and spec.dampening != 0 else {})
 
 
@@ -161,7 +166,7 @@ def _mu_product(spec: GroupSpec, step: int) -> float:
     return values[step]
 
 
-def _nadam_host(spec, lr, wd, step):
+def _nadam_host(spec, lr, wd, step, carried):
     s = float(step)
     mu = spec.beta1 * (1.0 - 0.5 * (0.96 ** (s * spec.momentum_decay)))
     mu_next = spec.beta1 * (1.0 - 0.5 * (0.96 ** ((s + 1) * spec.momentum_decay)))
@@ -185,7 +190,7 @@ def _nadam(spec, param, grad, states, scalars):
 
 
 # ---- RAdam ----------------------------------------------------------------------------------
-def _radam_host(spec, lr, wd, step):
+def _radam_host(spec, lr, wd, step, carried):
     s = float(step)
     bc1, bc2 = 1 - spec.beta1**s, 1 - spec.beta2**s
     rho_inf = 2 / (1 - spec.beta2) - 1
@@ -241,11 +246,18 @@ def _scalar_dtype_round(value: float) -> float:
     return float(torch.tensor(value, dtype=dtype))
 
 
-def _asgd_host(spec, lr, wd, step):
-    """eta and mu of step `step`: torch stores them after step - 1 from that step's lr, which
-    equals this one's (graphfuse refuses an ASGD lr change, see optim.check_group_unchanged)."""
+def _asgd_eta(spec: GroupSpec, lr: float, step: int) -> float:
+    """The eta torch stores after step `step` from that step's lr (at step 0, when it creates
+    the state at the first step: the lr itself), rounded as its 0-d state is."""
+    return _scalar_dtype_round(lr if step == 0 else lr / ((1 + spec.lambd * lr * float(step)) ** spec.alpha))
+
+
+def _asgd_host(spec, lr, wd, step, carried):
+    """eta and mu of step `step`: eta is what step - 1 left (computed from that step's lr,
+    `carried`); before the first step there is none and torch starts from this step's lr.
+    mu depends on the step alone."""
     prev = float(step - 1)
-    eta = _scalar_dtype_round(lr if step == 1 else lr / ((1 + spec.lambd * lr * prev) ** spec.alpha))
+    eta = carried["eta"] if "eta" in carried else _asgd_eta(spec, lr, 0)
     mu = 1.0 if step == 1 else _scalar_dtype_round(1 / max(1, prev - spec.t0))
     return {"shrink": 1 - spec.lambd * eta, "eta": eta, "mu": mu, "average": mu != 1}
 
@@ -259,14 +271,15 @@ def _asgd(spec, param, grad, states, scalars):
     return param, {"ax": torch.where(scalars["average"], averaged, param)}
 
 
-def torch_host_states(spec: GroupSpec, step: int) -> dict[str, T]:
+def torch_host_states(spec: GroupSpec, step: int, carried: dict[str, float], lr: float) -> dict[str, T]:
     """The per-parameter 0-d states torch.optim keeps after `step` steps besides `step` that
-    graphfuse computes on the host (the same for every parameter of a group): written into
-    checkpoints so that plain torch.optim resumes from them exactly."""
+    graphfuse computes on the host (the same for every parameter of a group), from what the
+    last step `carried` and the group's `lr`: written into checkpoints so that plain torch.optim
+    resumes from them exactly."""
     if spec.kind == "nadam":
         values = {"mu_product": _mu_product(spec, step)}
     elif spec.kind == "asgd":  # after step k torch holds the eta and mu that step k + 1 uses
-        host = _asgd_host(spec, spec.lr, spec.weight_decay, step + 1)
+        host = _asgd_host(spec, lr, spec.weight_decay, step + 1, carried)
         values = {"eta": host["eta"], "mu": host["mu"]}
     else:
         values = {}
@@ -289,21 +302,22 @@ RULES: dict[str, Rule] = {
              lambda s: ("lr",) + (("first",) if s.momentum != 0 and s.dampening != 0 else ()), _sgd_host, _sgd),
         Rule("rmsprop", ("alpha", *_BASE, "momentum", "centered"), _rmsprop_states,
              lambda s: ("lr",) if s.momentum > 0 else ("neg_lr",),
-             lambda s, lr, wd, step: {"lr": lr} if s.momentum > 0 else {"neg_lr": -lr}, _rmsprop),
+             lambda s, lr, wd, step, carried: {"lr": lr} if s.momentum > 0 else {"neg_lr": -lr}, _rmsprop),
         Rule("adagrad", ("lr_decay", *_BASE), _fixed("sum"), _fixed("neg_clr"),
-             lambda s, lr, wd, step: {"neg_clr": -(lr / (1 + (float(step) - 1) * s.lr_decay))}, _adagrad),
+             lambda s, lr, wd, step, carried: {"neg_clr": -(lr / (1 + (float(step) - 1) * s.lr_decay))}, _adagrad),
         Rule("adamax", ("betas", *_BASE), _fixed("exp_avg", "exp_inf"), _fixed("neg_clr"),
-             lambda s, lr, wd, step: {"neg_clr": -(lr / (1 - s.beta1 ** float(step)))}, _adamax),
+             lambda s, lr, wd, step, carried: {"neg_clr": -(lr / (1 - s.beta1 ** float(step)))}, _adamax),
         Rule("nadam", ("betas", *_BASE, "momentum_decay", "decoupled"), _fixed("exp_avg", "exp_avg_sq"),
              lambda s: _decay(s) + ("bc2", "grad_coef", "avg_coef"), _nadam_host, _nadam),
         Rule("radam", ("betas", *_BASE, "decoupled"), _fixed("exp_avg", "exp_avg_sq"),
              lambda s: _decay(s) + ("lr", "bc1", "bc2_sqrt", "rect", "rectified"), _radam_host, _radam),
         Rule("adadelta", ("rho", *_BASE), _fixed("square_avg", "acc_delta"), _fixed("lr"),
-             lambda s, lr, wd, step: {"lr": lr}, _adadelta),
+             lambda s, lr, wd, step, carried: {"lr": lr}, _adadelta),
         Rule("rprop", ("etas", "step_sizes", "maximize"), _fixed("prev", "step_size"), _fixed("lr", "first"),
-             lambda s, lr, wd, step: {"lr": lr, "first": step == 1}, _rprop),
-        Rule("asgd", ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize"), _fixed("ax"),
-             _fixed("shrink", "eta", "mu", "average"), _asgd_host, _asgd),
+             lambda s, lr, wd, step, carried: {"lr": lr, "first": step == 1}, _rprop),
+        Rule("asgd", ("lambd", "alpha", "t0", "weight_decay", "maximize"), _fixed("ax"),
+             _fixed("shrink", "eta", "mu", "average"), _asgd_host, _asgd,
+             ("eta",), lambda s, lr, wd, step: {"eta": _asgd_eta(s, lr, step)}),
     )
 }
 

@@ -110,6 +110,7 @@ class DistModel:
             self._bind(program)
         self._snapshot = Snapshot(self.model, self.optimizer)  # checked at every step: changes are not ignored
         self.steps = [0] * len(program.optim.groups)
+        self.carried: list[dict[str, float]] = [{} for _ in program.optim.groups]  # see execute.run_step
         self.program = program
         self._example_key = key
         # batch key -> (program, its executable; None until the first step compiles it)
@@ -180,7 +181,7 @@ class DistModel:
         steps = [s + 1 for s in self.steps]
         first = "first step" not in self.startup
         with self.startup.time("first step") if first else contextlib.nullcontext():
-            outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, leaves)
+            outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, self.carried, leaves)
         if first:
             log.info("graphfuse: first step: %s", self.startup.format(("inductor", "first step")))
         self.steps = steps

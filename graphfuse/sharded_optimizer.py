@@ -99,6 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.program = verify(run_pipeline(program))
         self.tensors = bind_tensors(self.program, self.params, {}, self.group)
         self.steps = [0] * len(self.program.optim.groups)
+        self.carried: list[dict[str, float]] = [{} for _ in self.program.optim.groups]  # see execute.run_step
         fn = self.program.graph_module if strategy.compile == "eager" else None
         # buckets whose shards a compiled backward made -> (program, executable or None)
         self._variants: dict[frozenset[int], tuple[Program, Callable | None]] = {frozenset(): (self.program, fn)}
@@ -173,7 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if fn is None:  # inductor compiles for the gradients' devices and strides
             fn = compile_in_place(program, arguments(program, self.tensors, per_call))
             self._variants[reduced] = (program, fn)
-        run_step(program, fn, self.tensors, self.param_groups, steps, per_call)
+        run_step(program, fn, self.tensors, self.param_groups, steps, self.carried, per_call)
         self.steps = steps
         self.last_reductions = {b.name: self._received.get(b.index, 0) + (b.index not in reduced) for b in self.layout.buckets}
         self._shards, self._received = {}, {}

@@ -11,6 +11,7 @@ from graphfuse import signature as sig
 from graphfuse.checkpoint.plan import MASTER
 from graphfuse.errors import CheckpointMismatchError
 from graphfuse.execute import backend_of
+from graphfuse.optimizers import torch_host_states
 
 TORCH_MODE = "torch"
 
@@ -30,8 +31,9 @@ def _gather(opt, shard: torch.Tensor) -> torch.Tensor:
 def torch_form(opt) -> dict:
     """{"state": {fqn: {state: full tensor, "step"}}, "param_groups": [{..., "params": [fqn]}]}:
     what get_optimizer_state_dict(model, optim, StateDictOptions(full_state_dict=True)) gives
-    for the same plain torch optimizer. Collective: every rank must call it. fp32 master
-    weights are left out (torch.optim has none); loading derives them from the weights."""
+    for the same plain torch optimizer, so that torch.optim loading it steps on exactly as
+    graphfuse would. Collective: every rank must call it. fp32 master weights are left out
+    (torch.optim has none); loading derives them from the weights."""
     shards = opt.program.signature.names(sig.SHARD)
     state: dict[str, dict] = {}
     with torch.no_grad():
@@ -46,8 +48,10 @@ def torch_form(opt) -> dict:
                     state.setdefault(slot.fqn, {})[what] = full
     for g, spec in enumerate(opt.program.optim.groups):
         if spec.has_step:
+            # and the 0-d states graphfuse computes on the host (NAdam's mu_product, ASGD's eta and mu)
+            host = torch_host_states(spec, opt.steps[g], opt.carried[g], float(opt.param_groups[g]["lr"]))
             for fqn in spec.params:
-                state.setdefault(fqn, {})["step"] = torch.tensor(float(opt.steps[g]))
+                state.setdefault(fqn, {}).update(step=torch.tensor(float(opt.steps[g])), **{k: v.clone() for k, v in host.items()})
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": list(spec.params)}
         for group, spec in zip(opt.param_groups, opt.program.optim.groups)

@@ -110,16 +110,33 @@ def trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tenso
 
 def functionalized(fn: Callable) -> Callable:
     """`fn` under a FunctionalTensorMode, as AOTAutograd runs its joint graph: mutations become
-    out-of-place ops, views stay views, and autograd (which torch.func.functionalize would
-    hide from `fn`) sees its inputs' requires_grad."""
+    out-of-place ops, views stay views (`unsafe_split`'s too, see UnsafeSplitsAsViews), and
+    autograd (which torch.func.functionalize would hide from `fn`) sees its inputs' requires_grad."""
 
     def wrapped(*args):
-        with ConstantValues(), FunctionalTensorMode():
+        with ConstantValues(), FunctionalTensorMode(), UnsafeSplitsAsViews():
             fargs = [FunctionalTensor.to_functional(a) for a in args]
             out = fn(*fargs)
         return pytree.tree_map_only(FunctionalTensor, FunctionalTensor.from_functional, out)
 
     return wrapped
+
+
+class UnsafeSplitsAsViews(TorchDispatchMode):
+    """Hands functionalization `split` where the step calls `unsafe_split` (`unsafe_chunk`), so
+    that it tracks the pieces as views of their input, as they are in eager memory. Otherwise
+    an in-place op on a piece (ATen's GRU cell: `add_`, `sigmoid_` on chunks of the gate matrix)
+    becomes an out-of-place op on a contiguous copy, and the next op reads another layout than
+    eager's; CPU kernels may round by layout (`sigmoid` of a (2, 24) view with row stride 72
+    differs from that of its contiguous copy). Autograd, above this mode, still sees `unsafe_split`."""
+
+    SAFE = {
+        torch.ops.aten.unsafe_split.Tensor: torch.ops.aten.split.Tensor,
+        torch.ops.aten.unsafe_split_with_sizes.default: torch.ops.aten.split_with_sizes.default,
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.SAFE.get(func, func)(*args, **(kwargs or {}))
 
 
 class ConstantValues(TorchDispatchMode):

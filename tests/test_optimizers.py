@@ -41,57 +41,79 @@ OPTIMIZERS = {
     "sgd_nesterov": lambda m: torch.optim.SGD(_groups(m, 1e-3), lr=5e-2, momentum=0.9, nesterov=True, foreach=False),
     "rprop": lambda m: torch.optim.Rprop(_groups(m, 0.0, etas=(0.3, 1.5), step_sizes=(1e-4, 2e-3)), lr=1e-2, foreach=False),
     "rprop_maximize": lambda m: torch.optim.Rprop(_groups(m, 0.0), lr=1e-3, maximize=True, foreach=False),
-    # ASGD bakes its lr in (no scheduler, see test_asgd_...); t0=2 starts the averaging at step 4.
+    # t0=2 starts the averaging at step 4 in the first group; the second never averages.
     "asgd": lambda m: torch.optim.ASGD(_groups(m, 1e-2, t0=1e6), lr=5e-2, lambd=1e-2, t0=2.0, foreach=False),
 }
-SCHEDULED = [name for name in OPTIMIZERS if not name.startswith("asgd")]
 
 
-@pytest.mark.parametrize("name", SCHEDULED)
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_optimizer_is_bitwise_equal_to_its_single_tensor_form(name):
     dm = run_bitwise(MLP, OPTIMIZERS[name], mlp_loss, mlp_batches(STEPS), freeze=freeze_first_layer)
     assert dm.program.optim.cls_name == type(OPTIMIZERS[name](MLP())).__name__
     assert dm.steps == [STEPS, STEPS]
 
 
-def test_asgd_is_bitwise_equal_to_its_single_tensor_form():
-    """ASGD at a constant lr per group (two groups, one averaging from step 4, one never):
-    parameters, `ax`, and the 0-d eta and mu graphfuse computes on the host, after every step."""
+def _decaying(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """An lr that changes at every step (the warm-up schedule stops changing at step 5)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.7**s)
+
+
+def _same_asgd_scalars(o_eager: torch.optim.Optimizer, dm: gf.DistModel, when: str) -> bool:
+    """torch's eta and mu of every parameter equal what graphfuse carries and derives for the
+    next step (what its checkpoints write); True when some group averages already (mu != 1)."""
+    from graphfuse.optimizers import torch_host_states
+
+    averaging = False
+    for g, (spec, group) in enumerate(zip(dm.program.optim.groups, dm.optimizer.param_groups, strict=True)):
+        host = torch_host_states(spec, dm.steps[g], dm.carried[g], group["lr"])
+        for p in o_eager.param_groups[g]["params"]:
+            state = o_eager.state[p]
+            assert torch.equal(state["eta"], host["eta"]) and torch.equal(state["mu"], host["mu"]), f"{when}, group {g}"
+            averaging |= state["mu"].item() != 1
+    return averaging
+
+
+@pytest.mark.parametrize("mode", ["balanced", "unbalanced"])
+def test_asgd_with_an_lr_changed_every_step_is_bitwise_and_resumes_bitwise(mode, tmp_path):
+    """ASGD's eta of step k follows the lr of step k - 1, which graphfuse carries from step to
+    step as torch does: with a LambdaLR changing the lr at every step (two groups, one averaging
+    from step 4), parameters, `ax`, eta and mu equal torch's after every step; saved after
+    step 4 and loaded into a freshly compiled model, training goes on bitwise."""
     from test_capture import assert_same_state
 
     torch.manual_seed(0)
     m_eager = MLP()
     freeze_first_layer(m_eager)
-    m_gf = copy.deepcopy(m_eager)
-    o_eager, o_gf = OPTIMIZERS["asgd"](m_eager), OPTIMIZERS["asgd"](m_gf)
+    o_eager = OPTIMIZERS["asgd"](m_eager)
+    s_eager = _decaying(o_eager)
     batches = mlp_batches(STEPS)
-    dm = gf.compile(m_gf, o_gf, mlp_loss, batches[0])
-    averaged = False
+
+    def compiled(model: nn.Module) -> tuple[gf.DistModel, torch.optim.lr_scheduler.LRScheduler]:
+        freeze_first_layer(model)
+        optimizer = OPTIMIZERS["asgd"](model)
+        return gf.compile(model, optimizer, mlp_loss, batches[0]), _decaying(optimizer)
+
+    m_gf = copy.deepcopy(m_eager)
+    dm, s_gf = compiled(m_gf)
+    lrs, averaged = set(), False
     for i, batch in enumerate(batches):
+        if i == 4:
+            gf.save(dm, tmp_path / "ckpt", mode=mode, extra={"scheduler": s_gf.state_dict()})
+            torch.manual_seed(1)
+            m_gf = MLP()  # other weights: everything comes from the checkpoint
+            dm, s_gf = compiled(m_gf)
+            s_gf.load_state_dict(gf.load(dm, tmp_path / "ckpt")["scheduler"])
         o_eager.zero_grad()
         loss = mlp_loss(m_eager, batch)
         loss.backward()
         o_eager.step()
+        s_eager.step()
         assert torch.equal(loss.detach(), dm(batch)), f"step {i}: loss differs"
+        s_gf.step()
         assert_same_state(m_eager, o_eager, m_gf, dm, f"step {i}")
-        for g, (spec, group) in enumerate(zip(dm.program.optim.groups, o_gf.param_groups, strict=True)):
-            host = spec.host_scalars(group["lr"], group["weight_decay"], i + 2)  # what step i + 2 uses
-            averaged |= host["average"]
-            for p in o_eager.param_groups[g]["params"]:
-                state = o_eager.state[p]
-                assert state["eta"].item() == host["eta"] and state["mu"].item() == host["mu"], f"step {i}, group {g}"
-    assert averaged and dm.steps == [STEPS, STEPS]
-
-
-def test_changing_the_lr_of_asgd_is_refused():
-    """ASGD's eta follows the previous step's lr, which graphfuse does not carry: lr is baked in."""
-    model = MLP()
-    optimizer = OPTIMIZERS["asgd"](model)
-    dm = gf.compile(model, optimizer, mlp_loss, mlp_batches(1)[0])
-    dm(mlp_batches(1)[0])
-    optimizer.param_groups[1]["lr"] = 1e-3
-    with pytest.raises(gf.UnsupportedError, match="param group 1: lr changed from 0.003 to 0.001.*constant lr with ASGD"):
-        dm(mlp_batches(1)[0])
+        averaged |= _same_asgd_scalars(o_eager, dm, f"step {i}")
+        lrs.add(o_eager.param_groups[1]["lr"])
+    assert averaged and dm.steps == [STEPS, STEPS] and len(lrs) == STEPS
 
 
 def test_every_elementwise_optimizer_of_torch_is_covered():
@@ -166,8 +188,6 @@ DP_OPTIMIZERS = ("nadam_decoupled", "rmsprop_centered_momentum", "radam", "rprop
 def _data_parallel(rank: int, world: int, names: tuple[str, ...]) -> dict:
     """Each optimizer on an MLP trained by graphfuse (small buckets, so shards cross parameter
     boundaries) and by an eager replica averaging gradients with all_reduce(AVG)."""
-    import copy
-
     import torch.distributed as dist
 
     out = {}
@@ -192,11 +212,57 @@ def _data_parallel(rank: int, world: int, names: tuple[str, ...]) -> dict:
     return out
 
 
-def test_optimizers_at_two_ranks_are_bitwise_like_eager_data_parallel():
+def _asgd_data_parallel(rank: int, root: str) -> bool:
+    """ASGD with an lr changed at every step, graphfuse against an eager replica averaging
+    gradients with all_reduce(AVG); runs resumed after step 3 from a balanced and from an
+    unbalanced checkpoint go on beside the unbroken one, all bitwise."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    m_ref = MLP()
+    o_ref = OPTIMIZERS["asgd"](m_ref)
+    s_ref = _decaying(o_ref)
+    batches = mlp_batches(STEPS, seed=10 + rank)
+
+    def compiled(model: nn.Module) -> tuple[nn.Module, gf.DistModel, torch.optim.lr_scheduler.LRScheduler]:
+        optimizer = OPTIMIZERS["asgd"](model)
+        dm = gf.compile(model, optimizer, mlp_loss, batches[0], strategy=gf.Strategy(bucket_size_mb=0.002))
+        return model, dm, _decaying(optimizer)
+
+    runs = {"unbroken": compiled(copy.deepcopy(m_ref))}
+    equal = len(runs["unbroken"][1].layout.buckets) > 1
+    for i, batch in enumerate(batches):
+        if i == 3:
+            for mode in ("balanced", "unbalanced"):
+                _, dm, sched = runs["unbroken"]
+                gf.save(dm, f"{root}/{mode}", mode=mode, extra={"scheduler": sched.state_dict()})
+                torch.manual_seed(1)
+                runs[mode] = compiled(MLP())
+                runs[mode][2].load_state_dict(gf.load(runs[mode][1], f"{root}/{mode}")["scheduler"])
+        o_ref.zero_grad()
+        loss = mlp_loss(m_ref, batch)
+        loss.backward()
+        for p in m_ref.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        o_ref.step()
+        s_ref.step()
+        for _, dm, sched in runs.values():
+            equal &= torch.equal(loss.detach(), dm(batch))
+            sched.step()
+    ref = dict(m_ref.named_parameters())
+    return equal and len(runs) == 3 and all(torch.equal(p, ref[n]) for m, _, _ in runs.values() for n, p in m.named_parameters())
+
+
+def _two_ranks(rank: int, world: int, names: tuple[str, ...], root: str) -> dict:
+    """Both 2-rank checks in one spawn of the ranks (a spawn costs seconds)."""
+    return _data_parallel(rank, world, names) | {"asgd_lr_changed_resumed": _asgd_data_parallel(rank, root)}
+
+
+def test_optimizers_at_two_ranks_are_bitwise_like_eager_data_parallel(tmp_path):
     from distributed import run_ranks
 
-    results = run_ranks(_data_parallel, 2, DP_OPTIMIZERS, timeout=180)
-    assert results == [dict.fromkeys(DP_OPTIMIZERS, True)] * 2, results
+    results = run_ranks(_two_ranks, 2, DP_OPTIMIZERS, str(tmp_path), timeout=180)
+    assert results == [dict.fromkeys(DP_OPTIMIZERS, True) | {"asgd_lr_changed_resumed": True}] * 2, results
 
 
 def test_every_optimizer_update_can_be_saved_in_a_program_file(tmp_path):
@@ -211,6 +277,39 @@ def test_every_optimizer_update_can_be_saved_in_a_program_file(tmp_path):
         assert not missing, f"{name}: ops outside the allowlist: {missing}"
         gf.save_program(program, tmp_path / name)
         assert gf.load_program(tmp_path / name).optim == program.optim, name
+
+
+def test_asgd_program_saved_with_its_lr_baked_in_loads_and_follows_the_lr(tmp_path):
+    """A program file written while graphfuse baked ASGD's lr into the program (every group
+    held an `lr` field) still loads; the lr is read at every step, so a scheduler drives it."""
+    import json
+
+    from test_program_io import rehash
+
+    torch.manual_seed(0)
+    m_eager = MLP()
+    m_gf = copy.deepcopy(m_eager)
+    o_eager, o_gf = OPTIMIZERS["asgd"](m_eager), OPTIMIZERS["asgd"](m_gf)
+    batches = mlp_batches(4)
+    traced = copy.deepcopy(m_gf)
+    gf.save_program(gf.compile(traced, OPTIMIZERS["asgd"](traced), mlp_loss, batches[0]).program, tmp_path / "p")
+    doc = json.loads((tmp_path / "p" / "program.json").read_text())
+    for group, lr in zip(doc["optim"]["groups"], (5e-2, 3e-3), strict=True):
+        assert "lr" not in group
+        group["lr"] = lr
+    (tmp_path / "p" / "program.json").write_text(json.dumps(doc))
+    rehash(tmp_path / "p")
+    dm = gf.DistModel.from_program(gf.load_program(tmp_path / "p"), m_gf, o_gf)
+    s_eager, s_gf = _decaying(o_eager), _decaying(o_gf)
+    for batch in batches:
+        o_eager.zero_grad()
+        loss = mlp_loss(m_eager, batch)
+        loss.backward()
+        o_eager.step()
+        s_eager.step()
+        assert torch.equal(loss.detach(), dm(batch))
+        s_gf.step()
+    assert all(torch.equal(a, b) for a, b in zip(m_eager.parameters(), m_gf.parameters(), strict=True))
 
 
 @pytest.mark.parametrize(
@@ -272,3 +371,52 @@ def test_plain_torch_optimizer_resumes_from_a_balanced_checkpoint_bitwise(name, 
     assert torch.equal(loss.detach(), dm(batches[5]))
     ours = dict(model.named_parameters())
     assert all(torch.equal(p, ours[n]) for n, p in plain.named_parameters())
+
+
+def _index_form(full: dict) -> dict:
+    """A torch form (keyed by FQN) as a plain torch optimizer's state_dict() (keyed by index)."""
+    index = {fqn: i for i, fqn in enumerate(f for g in full["param_groups"] for f in g["params"])}
+    return {
+        "state": {index[fqn]: state for fqn, state in full["state"].items()},
+        "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in full["param_groups"]],
+    }
+
+
+@pytest.mark.parametrize("name", ["nadam", "asgd"])
+def test_torch_form_of_the_sharded_state_resumes_plain_torch_optim_bitwise(name):
+    """gf.shard_optimizer's state_dict(mode="torch") holds the 0-d states graphfuse computes on
+    the host (NAdam's mu_product, ASGD's eta and mu): a plain foreach=False optimizer loading
+    it, after 5 steps at an lr changed every step, goes on as graphfuse does, bit for bit."""
+    batches = mlp_batches(8)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = gf.shard_optimizer(OPTIMIZERS[name](model), model=model)
+    sched = _decaying(opt)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = mlp_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    for batch in batches[:5]:  # ASGD averages from step 4 on
+        step(model, opt, batch)
+        sched.step()
+    plain = MLP()
+    plain.load_state_dict(model.state_dict())
+    plain_opt = OPTIMIZERS[name](plain)
+    plain_sched = _decaying(plain_opt)  # before the load, which sets the lr the schedule reached
+    plain_opt.load_state_dict(_index_form(opt.state_dict(mode="torch")))
+    plain_sched.load_state_dict(sched.state_dict())
+    host = {"nadam": {"mu_product"}, "asgd": {"eta", "mu"}}[name]
+    assert all(host <= set(state) and state["step"].item() == 5 for state in plain_opt.state.values())
+    for batch in batches[5:]:
+        assert torch.equal(step(model, opt, batch), step(plain, plain_opt, batch))
+        sched.step()
+        plain_sched.step()
+    ours = dict(model.named_parameters())
+    assert all(torch.equal(p, ours[n]) for n, p in plain.named_parameters())
+    again = _index_form(opt.state_dict(mode="torch"))["state"]
+    params = [p for group in plain_opt.param_groups for p in group["params"]]
+    assert all(torch.equal(v, again[i][k]) for i, p in enumerate(params) for k, v in plain_opt.state[p].items())

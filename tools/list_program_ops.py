@@ -2,7 +2,8 @@
 name: the source of the program-file op allowlist (graphfuse/program_files/ops.py).
 
 Builds each model of the tests (MLPs, GPT, the checkpoint tests' net, conv + BatchNorm,
-transformers Llama and BERT) with
+transformers Llama and BERT, and the zoo's models whose program files are tested: T5, GRU,
+Mixtral) with
 each supported optimizer and the strategies that add ops (world size 2, gradient clipping,
 accumulation, fp32 master weights for bf16 parameters), runs the pass pipeline without a
 process group, and prints the operator names as JSON. Compare with ops.ALLOWED:
@@ -48,6 +49,11 @@ def _models(quick: bool) -> dict:
     if not quick:
         models["llama"] = (tc.tiny_llama, tc.hf_lm_loss, tc.token_batches(1)[0])
         models["bert"] = (_bert, tc.hf_lm_loss, tc.token_batches(1)[0])
+        import test_zoo as tzoo
+
+        for name in tzoo.SAVED_PROGRAMS:
+            make, loss_fn, batch_of = tzoo.ZOO[name]
+            models[name] = (make, loss_fn, batch_of(0, 0))
     return models
 
 

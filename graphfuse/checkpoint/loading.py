@@ -69,11 +69,11 @@ def load(dm, path: str | os.PathLike, timeout: float | None = None):
     except FAILURES as e:
         error = e
     ex("gf.load (read)", error)
-    pairs, steps, groups = staged
+    pairs, steps, groups, carry = staged
     with torch.no_grad():
         for live, new in pairs:
             live.copy_(new)
-    state.apply(dm, checked.derived, steps, groups)
+    state.apply(dm, checked.derived, steps, groups, carry)
     carried.hold(dm, checked.frozen)
     return checked.extra
 
@@ -91,6 +91,7 @@ def _validate(dm, p: StatePlan, where: Path) -> _Checked:
         entry = tensor_md(md, key, where)
         state.check_tensor(key, target, tuple(entry.size), entry.properties.dtype, name)
     small: dict = {k: torch.zeros(tuple(tensor_md(md, k, where).size)) for k in state.step_keys(p)}
+    small.update({k: torch.zeros(tuple(tensor_md(md, k, where).size)) for k in state.carried_keys(dm, p) if k in md.state_dict_metadata})
     if rec is None:  # a plain checkpoint's param groups are in the data, read with the steps
         small.update({k: None for k in md.state_dict_metadata if k.startswith("optim.param_groups.")})
     frozen = {}
@@ -109,9 +110,10 @@ def _stage(target):
     return torch.empty_like(target)
 
 
-def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict]]:
+def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict], list[dict]]:
     """Read every target into a staging copy and check what only the data can tell: the
-    steps, a plain checkpoint's param groups, and that no file changed while it was read."""
+    steps, what they carried (ASGD's eta), a plain checkpoint's param groups, and that no
+    file changed while it was read."""
     staged = c.staged
     into = {**staged, **c.small, **c.frozen}
     try:
@@ -139,6 +141,7 @@ def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict]]:
                 saved += [{} for _ in range(int(g) + 1 - len(saved))]
                 saved[int(g)][hyper] = into[key]
         groups = state.check_groups(dm, p, saved, name)
+    carry = state.carried_of(dm, p, steps, groups, lambda k: into[k].item(), lambda k: k in c.small, name)
     pairs = []
     for key, target in c.targets.items():
         new = staged[key]
@@ -146,7 +149,7 @@ def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict]]:
             pairs += [(v, n) for (_, _, v), (_, _, n) in zip(target.chunks, new.chunks)]
         else:
             pairs.append((target, new))
-    return pairs, steps, groups
+    return pairs, steps, groups, carry
 
 
 def _read_extra(where: Path, rec: Record | None):

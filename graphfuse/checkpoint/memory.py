@@ -9,6 +9,7 @@ from graphfuse.checkpoint import carried
 from graphfuse.checkpoint.record import from_dict
 from graphfuse.checkpoint.state import (
     apply,
+    carried_of,
     check_groups,
     check_layout,
     check_optimizer,
@@ -94,10 +95,11 @@ def load_state_dict(dm, sd: dict) -> None:
     steps = steps_of(p, record, lambda k: get(k).item(), has, where, lambda g: carried.step_of_group(dm, g, lambda k: get(k).item(), has))
     saved_groups = record.param_groups if record else (_lookup(sd, ("optim", "param_groups")) or [])
     groups = check_groups(dm, p, saved_groups, where)
+    carry = carried_of(dm, p, steps, groups, lambda k: get(k).item(), has, where)
     with torch.no_grad():
         for dst, src in pairs:
             dst.copy_(src)
-    apply(dm, derived, steps, groups)
+    apply(dm, derived, steps, groups, carry)
     carried.hold(dm, frozen)
 
 

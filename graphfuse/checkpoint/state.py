@@ -124,9 +124,11 @@ def state_dict(dm, mode: str | None = None) -> dict:
     sd["model"].update(_other_model_entries(dm))
     carried.add_to(sd, dm)
     for g in p.step_groups:
-        # torch.optim's 0-d states that graphfuse derives from the step (NAdam's mu_product,
-        # ASGD's eta and mu): saved so that plain torch.optim resumes exactly; loading ignores them.
-        host = torch_host_states(dm.program.optim.groups[g], dm.steps[g])
+        # torch.optim's 0-d states that graphfuse computes on the host (NAdam's mu_product, ASGD's
+        # eta and mu): saved so that plain torch.optim resumes exactly; loading reads back what
+        # the last step carried (ASGD's eta) and derives the rest from the step.
+        lr = float(dm.optimizer.param_groups[g]["lr"])
+        host = torch_host_states(dm.program.optim.groups[g], dm.steps[g], dm.carried[g], lr)
         for fqn in p.groups[g]:
             sd["optim"]["state"].setdefault(fqn, {}).update(step=torch.tensor(float(dm.steps[g])), **{k: v.clone() for k, v in host.items()})
     sd["optim"]["param_groups"] = _param_groups(dm, p)
@@ -263,10 +265,43 @@ def steps_of(
     return steps
 
 
-def apply(dm, derived: list[tuple[Piece, Piece]], steps: list[int], groups: list[dict]) -> None:
+def carried_keys(dm, p: StatePlan) -> list[str]:
+    """The per-parameter states that hold what the last step carried (ASGD's `eta`)."""
+    specs = dm.program.optim.groups
+    return [f"optim.state.{fqn}.{name}" for g in p.step_groups for name in specs[g].carried_names for fqn in p.groups[g]]
+
+
+def carried_of(dm, p: StatePlan, steps: list[int], groups: list[dict], read: Callable, has: Callable, where: str) -> list[dict]:
+    """What each group's last step carried to the next (ASGD's eta), one value per group, read
+    from its parameters' states. A checkpoint without them (ASGD saved by a graphfuse that
+    refused lr changes, so at a constant lr) derives them from the restored lr, as that run did."""
+    out: list[dict] = []
+    for g, (spec, fqns) in enumerate(zip(dm.program.optim.groups, p.groups)):
+        values = {}
+        if steps[g] == 0 or not spec.carried_names:  # nothing carried before the first step
+            out.append(values)
+            continue
+        for name in spec.carried_names:
+            seen = {float(read(k)) for f in fqns if has(k := f"optim.state.{f}.{name}")}
+            if len(seen) > 1:
+                raise CheckpointError(
+                    f"{where}: param group {g}'s {name} states are not one value: {sorted(seen)}; graphfuse keeps "
+                    f"one {name} per param group (its parameters step together)"
+                )
+            if seen:
+                values[name] = seen.pop()
+        if len(values) < len(spec.carried_names):
+            hyper = {**dm.optimizer.param_groups[g], **groups[g]}
+            values = spec.carried_after(float(hyper["lr"]), float(hyper.get("weight_decay", 0.0)), steps[g])
+        out.append(values)
+    return out
+
+
+def apply(dm, derived: list[tuple[Piece, Piece]], steps: list[int], groups: list[dict], carried: list[dict]) -> None:
     with torch.no_grad():
         for master, weight in derived:
             view(dm, master).copy_(view(dm, weight))
     dm.steps = list(steps)
+    dm.carried = [dict(c) for c in carried]
     for group, values in zip(dm.optimizer.param_groups, groups):
         group.update(values)

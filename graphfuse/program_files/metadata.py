@@ -129,6 +129,8 @@ def _optim(d) -> OptimSpec:
 
 def _group(g, i: int) -> GroupSpec:
     fields = {f.name: f for f in dataclasses.fields(GroupSpec)}
+    if isinstance(g, dict) and "lr" in g:  # written while ASGD's lr was baked in; every lr is read per step now
+        g = {k: v for k, v in g.items() if k != "lr"}
     if not isinstance(g, dict) or not {"kind", "params"} <= set(g) <= set(fields):
         raise Malformed(f"optim.groups[{i}] must hold kind, params and fields of {', '.join(fields)}")
     if g["kind"] not in RULES or not (isinstance(g["params"], list) and all(isinstance(p, str) for p in g["params"])):

@@ -2,7 +2,7 @@
 name (any overload of a listed operator). Nothing outside the list is ever looked up.
 
 The list is what the tests' training steps contain after every pass (MLP, GPT, conv +
-BatchNorm, transformers Llama and BERT; AdamW, Adam with amsgrad, SGD with nesterov and
+BatchNorm, transformers Llama and BERT, the zoo's T5, GRU and Mixtral; AdamW, Adam with amsgrad, SGD with nesterov and
 dampening, the other optimizers of tests/test_optimizers.py; gradient clipping, accumulation,
 fp32 masters, 2 ranks), as
 `tools/list_program_ops.py` prints it, plus what the GPT and Llama steps add on CUDA (seen
@@ -34,6 +34,9 @@ ALLOWED: dict[str, frozenset[str]] = {
         nll_loss_backward nll_loss_forward ones_like pow reciprocal relu reshape rsqrt scalar_tensor sign silu silu_backward sin zeros_like
         slice slice_backward split sqrt square squeeze sub sum t tanh tanh_backward threshold_backward transpose
         unsqueeze view where
+        _grouped_mm _safe_softmax bernoulli copy cumsum empty_like fill floor_divide ge histc index index_put log
+        masked_fill minimum permute scatter select select_scatter sigmoid sigmoid_backward slice_scatter sort stack
+        topk unbind zeros
     """.split()),
     # The collectives the passes emit: one reduce-scatter and one all-gather per bucket, the
     # clip norm's all-reduce, and the waits.
