@@ -47,6 +47,13 @@ class ParamState:
             self._tracing -= 1
 
 
+def all_gather_flat(whole: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Every rank's `shard`, in rank order, into the flat `whole`: torch's `all_gather_single`
+    where it exists (2.13 on; it deprecates `all_gather_into_tensor`), else the older name."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(whole, shard, group=group)
+
+
 def gather_shards(program: Program, tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None, host: bool) -> None:
     """All-gather every rank's shard of each bucket into the whole bucket, in place (through a
     host copy with `host`: Gloo over CUDA tensors)."""
@@ -55,7 +62,7 @@ def gather_shards(program: Program, tensors: dict[str, torch.Tensor], group: dis
             flat = tensors[bucket.name]
             work = flat.cpu() if host else flat
             shard = work[slice(*bucket.shard_range(program.rank))].clone()
-            dist.all_gather_into_tensor(work, shard, group=group)
+            all_gather_flat(work, shard, group)
             if host:
                 flat.copy_(work)
 

@@ -5,13 +5,13 @@ index-keyed state_dict(), through graphfuse.checkpoint's validated in-memory loa
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from graphfuse import signature as sig
 from graphfuse.checkpoint.plan import MASTER
 from graphfuse.errors import CheckpointMismatchError
 from graphfuse.execute import backend_of
 from graphfuse.optimizers import torch_host_states
+from graphfuse.param_state import all_gather_flat
 
 TORCH_MODE = "torch"
 
@@ -24,7 +24,7 @@ def _gather(opt, shard: torch.Tensor) -> torch.Tensor:
     host = backend_of(opt.group, shard.device.type) == "gloo" and shard.device.type != "cpu"
     src = shard.cpu() if host else shard.contiguous()
     whole = src.new_empty(src.numel() * opt.world_size)
-    dist.all_gather_into_tensor(whole, src, group=opt.group)
+    all_gather_flat(whole, src, opt.group)
     return whole.to(shard.device)
 
 
