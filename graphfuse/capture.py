@@ -11,7 +11,6 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -21,6 +20,7 @@ from graphfuse.errors import GraphfuseError, UnsupportedError
 from graphfuse.program import PassRun, Program
 from graphfuse.strategy import Strategy
 from graphfuse.tracing import (
+    make_fx_exact,
     module_of_error,
     scalar_example,
     tensor_meta,
@@ -298,7 +298,7 @@ def _trace_update(spec: gopt.GroupSpec, dtype: torch.dtype, device: str) -> torc
     with FakeTensorMode():
         tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2 + len(spec.state_names))]
         scalars = [scalar_example(s) for s in spec.scalar_names]
-    graph = make_fx(update_function(spec), tracing_mode="fake")(*tensors, *scalars).graph
+    graph = make_fx_exact(update_function(spec), tracing_mode="fake")(*tensors, *scalars).graph
     for n in graph.nodes:
         val = n.meta.get("val")
         # Boolean masks of the same shape (Rprop's sign tests) are elementwise too.

@@ -94,6 +94,14 @@ def module_of_error(error: BaseException, model: torch.nn.Module) -> str:
     return found
 
 
+def make_fx_exact(fn: Callable, **kwargs) -> Callable:
+    """`make_fx(fn, ...)` recording every op as it was dispatched. Given no decomposition table,
+    make_fx of torch 2.14 decomposes `aten.detach` into `aten.alias` (2.13 and earlier keep
+    it); an explicit empty table is the documented way to keep it, so a step traces to the same
+    graph on every torch the project supports, without a version test."""
+    return make_fx(fn, decomposition_table={}, **kwargs)
+
+
 def trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tensor]) -> torch.fx.GraphModule:
     """make_fx of the functionalized step on fake tensors, placeholders named after `specs`."""
     fakes = fake_examples(FakeTensorMode(allow_non_fake_inputs=True), specs, examples)
@@ -102,7 +110,7 @@ def trace(step: Callable, specs: list[sig.InputSpec], examples: list[torch.Tenso
             fake.requires_grad_(True)
     t0 = time.perf_counter()
     install_cpu_float_grouped_mm()
-    traced = make_fx(functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
+    traced = make_fx_exact(functionalized(step), tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
     log.debug("traced the step in %.2fs", time.perf_counter() - t0)
     name_placeholders(traced.graph, specs)
     return traced

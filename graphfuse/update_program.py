@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
 from graphfuse.program import PassRun, Program
 from graphfuse.strategy import Strategy
-from graphfuse.tracing import fake_examples, name_placeholders, scalar_example, tensor_meta, update_function
+from graphfuse.tracing import (
+    fake_examples,
+    make_fx_exact,
+    name_placeholders,
+    scalar_example,
+    tensor_meta,
+    update_function,
+)
 
 
 def capture_update(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, strategy: Strategy) -> Program:
@@ -41,7 +47,7 @@ def capture_update(params: dict[str, torch.nn.Parameter], optimizer: torch.optim
         return new_params, new_states
 
     mode = FakeTensorMode()
-    gm = make_fx(update, tracing_mode="fake")(*fake_examples(mode, specs, examples))
+    gm = make_fx_exact(update, tracing_mode="fake")(*fake_examples(mode, specs, examples))
     placeholders = name_placeholders(gm.graph, specs)
     outputs = [sig.OutputSpec(sig.NEW_PARAM, n, n) for n in order]
     outputs += [sig.OutputSpec(sig.NEW_STATE, f"{n}.{s}", f"{n}.{s}") for n in order for s in optim.groups[group_of[n]].state_names]

@@ -8,12 +8,11 @@ from collections.abc import Callable
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphfuse import signature as sig
 from graphfuse.errors import PassContractError
 from graphfuse.program import Program, TensorMeta
-from graphfuse.tracing import placeholder_name
+from graphfuse.tracing import make_fx_exact, placeholder_name
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -84,7 +83,7 @@ def inline(graph: torch.fx.Graph, fn: Callable, args: list[torch.fx.Node], metas
     mode = FakeTensorMode()
     with mode:
         fakes = [torch.empty(m.shape, dtype=getattr(torch, m.dtype)) for m in metas]
-    sub = make_fx(fn, tracing_mode="fake")(*fakes)
+    sub = make_fx_exact(fn, tracing_mode="fake")(*fakes)
     val_map = dict(zip(placeholders(sub.graph), args))
     before = set(graph.nodes)
     out = graph.graph_copy(sub.graph, val_map)
