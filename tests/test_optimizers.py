@@ -188,7 +188,6 @@ DP_OPTIMIZERS = ("nadam_decoupled", "rmsprop_centered_momentum", "radam", "rprop
 def _data_parallel(rank: int, world: int, names: tuple[str, ...]) -> dict:
     """Each optimizer on an MLP trained by graphfuse (small buckets, so shards cross parameter
     boundaries) and by an eager replica averaging gradients with all_reduce(AVG)."""
-    import torch.distributed as dist
 
     out = {}
     for name in names:
@@ -200,23 +199,30 @@ def _data_parallel(rank: int, world: int, names: tuple[str, ...]) -> dict:
         dm = gf.compile(m_gf, OPTIMIZERS[name](m_gf), mlp_loss, batches[0], strategy=gf.Strategy(bucket_size_mb=0.002))
         equal = len(dm.layout.buckets) > 1
         for batch in batches:
-            o_ref.zero_grad()
-            loss = mlp_loss(m_ref, batch)
-            loss.backward()
-            for p in m_ref.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-            o_ref.step()
-            equal &= torch.equal(loss.detach(), dm(batch))
+            loss = _eager_data_parallel_step(m_ref, o_ref, batch)
+            equal &= torch.equal(loss, dm(batch))
         ref = dict(m_ref.named_parameters())
         out[name] = equal and all(torch.equal(p, ref[n]) for n, p in m_gf.named_parameters())
     return out
+
+
+def _eager_data_parallel_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:
+    """One step of the eager data-parallel reference: gradients averaged with all_reduce(AVG)."""
+    import torch.distributed as dist
+
+    optimizer.zero_grad()
+    loss = mlp_loss(model, batch)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    optimizer.step()
+    return loss.detach()
 
 
 def _asgd_data_parallel(rank: int, root: str) -> bool:
     """ASGD with an lr changed at every step, graphfuse against an eager replica averaging
     gradients with all_reduce(AVG); runs resumed after step 3 from a balanced and from an
     unbalanced checkpoint go on beside the unbroken one, all bitwise."""
-    import torch.distributed as dist
 
     torch.manual_seed(0)
     m_ref = MLP()
@@ -239,15 +245,10 @@ def _asgd_data_parallel(rank: int, root: str) -> bool:
                 torch.manual_seed(1)
                 runs[mode] = compiled(MLP())
                 runs[mode][2].load_state_dict(gf.load(runs[mode][1], f"{root}/{mode}")["scheduler"])
-        o_ref.zero_grad()
-        loss = mlp_loss(m_ref, batch)
-        loss.backward()
-        for p in m_ref.parameters():
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-        o_ref.step()
+        loss = _eager_data_parallel_step(m_ref, o_ref, batch)
         s_ref.step()
         for _, dm, sched in runs.values():
-            equal &= torch.equal(loss.detach(), dm(batch))
+            equal &= torch.equal(loss, dm(batch))
             sched.step()
     ref = dict(m_ref.named_parameters())
     return equal and len(runs) == 3 and all(torch.equal(p, ref[n]) for m, _, _ in runs.values() for n, p in m.named_parameters())
