@@ -43,12 +43,10 @@ def warm_workers() -> None:
     were compiled (or loaded from the cache) one by one in this process. No-op where the pool
     is not used (no Triton, compile_threads=1, TORCH_WARM_POOL=0)."""
     try:
-        from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
-    except ImportError:  # a torch without them: the pool starts at the first compile, as before
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without it: the pool starts at the first compile, as before
         return
-    maybe_warm_pool()
-    if hasattr(AsyncCompile, "wakeup"):
-        AsyncCompile.wakeup()  # the workers start now (the pool alone starts only its sidecar)
+    maybe_warm_pool()  # also wakes the workers; it decides when not to (no Triton, TORCH_WARM_POOL=0)
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
