@@ -1,0 +1,224 @@
+"""Strategy(cuda_graphs=True): the whole compiled step replayed from a CUDA graph. The refusals
+run everywhere; the replays need a GPU and are skipped without one (with that reason)."""
+
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for the bitwise tests
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from distributed import run_ranks
+
+import graphfuse as gf
+from graphfuse import signature as sig
+from graphfuse.cuda_graph import GraphedStep
+from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+GRAPHED = gf.Strategy(compile="inductor", cuda_graphs=True)
+CFG = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
+STEPS = 10
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _mse(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+BATCH = (torch.randn(4, 8), torch.randn(4, 4))
+
+
+# ---- refusals (any machine) ---------------------------------------------------------------
+def test_cuda_graphs_needs_the_inductor_compiled_step():
+    with pytest.raises(gf.UnsupportedError, match=r"compile='eager'; set compile='inductor', or cuda_graphs=False"):
+        gf.Strategy(cuda_graphs=True)
+    with pytest.raises(gf.UnsupportedError, match="must be True or False"):
+        gf.Strategy(compile="inductor", cuda_graphs="auto")
+    assert gf.Strategy(compile="inductor", cuda_graphs=True).cuda_graphs is True
+
+
+def test_cuda_graphs_refuses_a_model_on_the_cpu():
+    model, opt = _tiny()
+    with pytest.raises(gf.UnsupportedError, match=r"parameter 0\.weight is on cpu; move the model to the GPU .*cuda_graphs=False"):
+        gf.compile(model, opt, _mse, BATCH, strategy=GRAPHED)
+
+
+def test_a_program_file_keeps_cuda_graphs_and_from_program_refuses_a_model_on_the_cpu(tmp_path):
+    model, opt = _tiny()
+    program = gf.compile(model, opt, _mse, BATCH).program
+    program = program.with_(strategy=dataclasses.replace(program.strategy, compile="inductor", cuda_graphs=True))
+    gf.save_program(program, tmp_path / "program")
+    loaded = gf.load_program(tmp_path / "program")
+    assert loaded.strategy.cuda_graphs is True
+    fresh, fresh_opt = _tiny()
+    with pytest.raises(gf.UnsupportedError, match=r"parameter 0\.weight is on cpu"):
+        gf.DistModel.from_program(loaded, fresh, fresh_opt)
+
+
+def test_shard_optimizer_refuses_cuda_graphs():
+    model, opt = _tiny()
+    with pytest.raises(gf.UnsupportedError, match=r"gf\.shard_optimizer: Strategy\.cuda_graphs .*use gf\.compile"):
+        gf.shard_optimizer(opt, GRAPHED, model=model)
+
+
+def _compile_on_gloo(rank: int, world: int) -> str:
+    model, opt = _tiny()
+    try:
+        gf.compile(model, opt, _mse, BATCH, strategy=GRAPHED)
+    except gf.UnsupportedError as e:
+        return str(e)
+    return "gf.compile accepted cuda_graphs on a Gloo group"
+
+
+def test_cuda_graphs_refuses_a_gloo_group_of_two_ranks():
+    for message in run_ranks(_compile_on_gloo, 2):
+        assert "'gloo'" in message and "world size 2" in message and "use an NCCL process group" in message, message
+
+
+# ---- replays (one GPU) --------------------------------------------------------------------
+@pytest.fixture
+def deterministic():
+    """Settings under which two runs of one compiled step agree to the bit, so a comparison
+    with the un-captured step measures the capture alone: deterministic kernels (the
+    embedding's backward accumulates by index, with float atomics otherwise), inductor's
+    deterministic reduction configs where this torch has them, no TF32."""
+    import torch._inductor.config as inductor_config
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with inductor_config.patch({"deterministic": True} if hasattr(inductor_config, "deterministic") else {}):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _batches(n: int, batch_size: int = 4, seed: int = 3):
+    return [(x.cuda(), y.cuda()) for x, y in synthetic_tokens(CFG, batch_size, n, seed=seed)]
+
+
+def _dm(cuda_graphs: bool, example, seed: int = 0, lr_lambda=lambda s: 1.0 / (1 + s)):
+    torch.manual_seed(seed)
+    model = GPT(CFG).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)  # a new lr at every step
+    strategy = gf.Strategy(compile="inductor", cuda_graphs=cuda_graphs)
+    return gf.compile(model, opt, gpt_loss, example, strategy=strategy), sched
+
+
+def _train(dm, sched, batches) -> torch.Tensor:
+    losses = []
+    for b in batches:
+        losses.append(dm(b))
+        sched.step()
+    return torch.stack(losses)
+
+
+def _state(dm) -> dict[str, torch.Tensor]:
+    """Every bucket, shard and host scalar, on the CPU."""
+    return {n: t.detach().cpu() for n, t in dm.tensors.items()}
+
+
+def _assert_bitwise(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys()
+    different = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not different, f"{what}: {different} differ"
+
+
+def _reference(batches):
+    """The un-captured compiled run, done twice: if two runs differ, no bitwise comparison
+    with the graph could mean anything on this machine."""
+    runs = []
+    for _ in range(2):
+        dm, sched = _dm(False, batches[0])
+        runs.append((_train(dm, sched, batches), _state(dm)))
+    (losses, state), (losses_again, state_again) = runs
+    assert torch.equal(losses, losses_again), "the un-captured compiled step is not reproducible here"
+    _assert_bitwise(state_again, state, "two un-captured runs")
+    return losses, state
+
+
+@needs_cuda
+def test_replayed_steps_equal_the_uncaptured_steps_bitwise_under_a_changing_lr(deterministic):
+    batches = _batches(STEPS)
+    want_losses, want = _reference(batches)
+    dm, sched = _dm(True, batches[0])
+    losses = _train(dm, sched, batches)
+    assert dm.cuda_graphs.captured == 1  # step 1 ran un-captured, step 2 captured, 3..10 replayed
+    assert all(dm.tensors[s.name].is_cuda for s in dm.program.signature.inputs if s.role == sig.SCALAR)
+    assert dm.steps == [STEPS]
+    assert torch.equal(losses, want_losses)
+    _assert_bitwise(_state(dm), want, "cuda_graphs=True against cuda_graphs=False")
+
+
+@needs_cuda
+def test_a_replayed_step_reads_the_learning_rate_of_its_own_step():
+    """lr alternates 1e-3, 0, 1e-3, 0...: a step at lr 0 leaves AdamW's weights unchanged to the
+    bit (decay factor 1, step size -0), so a graph that kept the lr of its capture would show."""
+    batches = _batches(8)
+    dm, sched = _dm(True, batches[0], lr_lambda=lambda s: 0.0 if s % 2 else 1.0)
+    for i, b in enumerate(batches):
+        before = {n: p.detach().clone() for n, p in dm.model.named_parameters()}
+        dm(b)
+        sched.step()
+        same = [torch.equal(p, before[n]) for n, p in dm.model.named_parameters()]
+        assert all(same) if i % 2 else not any(same), f"step {i + 1} at lr {'0' if i % 2 else '1e-3'}"
+    assert dm.cuda_graphs.captured == 1
+
+
+@needs_cuda
+def test_a_load_mid_run_keeps_the_graph_valid_and_the_steps_bitwise(deterministic, tmp_path):
+    batches = _batches(STEPS)
+    dm, sched = _dm(True, batches[0])
+    losses = []
+    for i, b in enumerate(batches):
+        losses.append(dm(b))
+        sched.step()
+        if i == 4:
+            gf.save(dm, tmp_path / "ckpt", extra={"scheduler": sched.state_dict()})
+    fresh, fresh_sched = _dm(True, batches[0], seed=1)
+    _train(fresh, fresh_sched, batches[:3])  # other weights; its graph is captured by now
+    assert fresh.cuda_graphs.captured == 1
+    addresses = {n: t.data_ptr() for n, t in fresh.tensors.items()}
+    fresh_sched.load_state_dict(gf.load(fresh, tmp_path / "ckpt")["scheduler"])
+    assert {n: t.data_ptr() for n, t in fresh.tensors.items()} == addresses  # copied in place
+    assert torch.equal(_train(fresh, fresh_sched, batches[5:]), torch.stack(losses[5:]))
+    assert fresh.cuda_graphs.captured == 1  # the same graph replayed after the load
+    _assert_bitwise(_state(fresh), _state(dm), "loaded at step 5 and run to 10, against run straight through")
+
+
+@needs_cuda
+def test_a_second_batch_shape_gets_its_own_graph(deterministic):
+    big, small = _batches(4), _batches(4, batch_size=2, seed=5)
+    batches = [b for pair in zip(big, small) for b in pair]
+    want_losses, want = _reference(batches)
+    dm, sched = _dm(True, batches[0])
+    losses = _train(dm, sched, batches)
+    steps = [fn for _, fn in dm._programs.values()]
+    assert len(steps) == 2 and all(isinstance(fn, GraphedStep) and fn.graph is not None for fn in steps)
+    assert steps[0].graph is not steps[1].graph and dm.cuda_graphs.captured == 2
+    assert torch.equal(losses, want_losses)
+    _assert_bitwise(_state(dm), want, "two batch shapes, cuda_graphs=True against False")
+
+
+@needs_cuda
+def test_a_tensor_replaced_after_capture_is_refused():
+    batches = _batches(3)
+    dm, _ = _dm(True, batches[0])
+    dm(batches[0])
+    dm(batches[1])  # captured
+    name = next(n for n in dm.tensors if n.endswith(".exp_avg"))
+    dm.tensors[name] = dm.tensors[name].clone()
+    with pytest.raises(gf.GraphfuseError, match=rf"reads {re.escape(name)} where it was at capture.*copy in place"):
+        dm(batches[2])
