@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for the bitwise tests
 
+import contextlib
 import dataclasses
 import re
 
@@ -82,6 +83,107 @@ def _compile_on_gloo(rank: int, world: int) -> str:
 def test_cuda_graphs_refuses_a_gloo_group_of_two_ranks():
     for message in run_ranks(_compile_on_gloo, 2):
         assert "'gloo'" in message and "world size 2" in message and "use an NCCL process group" in message, message
+
+
+# ---- the replay logic on any machine, with a recording stand-in for torch.cuda's graphs ---
+class _Recorder:
+    """Stands in for torch.cuda.CUDAGraph: what the step runs while "capturing" is recorded, not
+    run; replay runs it again on the same tensors, reading them as they are then, as a graph
+    reads device memory. Checks graphfuse's bookkeeping, not CUDA (the GPU tests below do)."""
+
+    capturing = None
+    fail = False
+
+    def __init__(self) -> None:
+        self.recorded, self.replays = None, 0
+
+    def replay(self) -> None:
+        fn, args, outs = self.recorded
+        for out, new in zip(outs, fn(*args)):
+            out.copy_(new)
+        self.replays += 1
+
+
+@contextlib.contextmanager
+def _capture(graph, pool=None, stream=None, capture_error_mode="global"):
+    _Recorder.capturing = graph
+    try:
+        yield
+    finally:
+        _Recorder.capturing = None
+
+
+def _recording(compiled):
+    def run(*args):
+        graph = _Recorder.capturing
+        if graph is None:
+            return compiled(*args)
+        if _Recorder.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graph.recorded = (compiled, args, [torch.zeros(())])  # the loss, written at each replay
+        return graph.recorded[2]
+
+    return run
+
+
+@pytest.fixture
+def recording_cuda(monkeypatch):
+    from graphfuse import cuda_graph
+
+    class Stream:
+        def __init__(self, *args) -> None:
+            pass
+
+        def wait_stream(self, other) -> None:
+            pass
+
+    for name, value in [("Stream", Stream), ("current_stream", lambda device=None: Stream()), ("graph", _capture),
+                        ("stream", lambda s: contextlib.nullcontext()), ("graph_pool_handle", lambda: None), ("CUDAGraph", _Recorder)]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(cuda_graph, "start", lambda s, *_: cuda_graph.CudaGraphs(torch.device("cpu")) if s.cuda_graphs else None)
+    wrap = cuda_graph.CudaGraphs.wrap
+    monkeypatch.setattr(cuda_graph.CudaGraphs, "wrap", lambda self, compiled, program: wrap(self, _recording(compiled), program))
+    monkeypatch.setattr(_Recorder, "fail", False)
+
+
+def _tiny_run(cuda_graphs: bool, batches):
+    model, opt = _tiny()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    dm = gf.compile(model, opt, _mse, batches[0], strategy=gf.Strategy(compile="inductor", cuda_graphs=cuda_graphs))
+    return dm, _train(dm, sched, batches)
+
+
+def test_one_update_per_call_warm_up_then_capture_then_replay(recording_cuda):
+    g = torch.Generator().manual_seed(1)
+    big = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(4)]
+    small = [(torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)) for _ in range(3)]
+    batches = big + small + big  # two batch keys
+    ref, ref_losses = _tiny_run(False, batches)
+    dm, losses = _tiny_run(True, batches)
+    steps = [fn for _, fn in dm._programs.values()]
+    # 8 big steps: 1 warm-up, 7 replays (the first right after capture); 3 small: 1 + 2
+    assert sorted(fn.graph.replays for fn in steps) == [2, 7] and dm.cuda_graphs.captured == 2
+    assert dm.steps == ref.steps == [len(batches)]
+    assert torch.equal(losses, ref_losses)
+    _assert_bitwise(_state(dm), _state(ref), "recorded replays against the compiled step")
+
+
+def test_a_failed_capture_changes_nothing_and_a_moved_tensor_is_refused(recording_cuda):
+    batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(3)]
+    dm, _ = _tiny_run(True, batches[:1])
+    before, steps = _state(dm), list(dm.steps)
+    _Recorder.fail = True
+    with pytest.raises(gf.UnsupportedError, match=r"capturing the step in a CUDA graph failed .*this call updated nothing"):
+        dm(batches[1])
+    _assert_bitwise(_state(dm), before, "after a failed capture")
+    assert dm.steps == steps
+    _Recorder.fail = False
+    dm(batches[1])  # captured now
+    name = next(n for n in dm.tensors if n.endswith(".exp_avg"))
+    dm.tensors[name] = dm.tensors[name].clone()
+    with pytest.raises(gf.GraphfuseError, match=rf"reads {re.escape(name)} where it was at capture"):
+        dm(batches[2])
 
 
 # ---- replays (one GPU) --------------------------------------------------------------------
