@@ -124,7 +124,8 @@ class GraphedStep:
             outs = self.compiled(*args)
         main.wait_stream(side)
         for out in outs:
-            out.record_stream(main)  # made on the side stream, used by the caller on its own
+            if isinstance(out, torch.Tensor):
+                out.record_stream(main)  # made on the side stream, used by the caller on its own
         self.warmed_up = True
         return outs
 
