@@ -53,9 +53,13 @@ def bind_tensors(
     params: dict[str, torch.nn.Parameter],
     buffers: dict[str, torch.Tensor],
     group: dist.ProcessGroup | None,
+    *,
+    scalar_device: torch.device | None = None,
 ) -> dict[str, torch.Tensor]:
     """Allocate the program's buckets and shards, fill them from `params`, and point every
-    parameter at its view in its bucket. Returns every persistent input by name."""
+    parameter at its view in its bucket. Returns every persistent input by name. The host
+    scalars are 0-d CPU tensors, or 0-d tensors on `scalar_device` for a step replayed from a
+    CUDA graph (Strategy.cuda_graphs), which would bake a CPU scalar's value in at capture."""
     layout, tensors = program.layout, {}
     buckets = {b.name: b for b in layout.buckets}
     with torch.no_grad():
@@ -85,7 +89,7 @@ def bind_tensors(
             elif spec.role == sig.BUFFER:
                 tensors[spec.name] = buffers[spec.name]
             elif spec.role == sig.SCALAR:
-                tensors[spec.name] = torch.zeros((), dtype=dtype)  # host scalars stay on the CPU
+                tensors[spec.name] = torch.zeros((), dtype=dtype, device=scalar_device)
     return tensors
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from graphfuse import cuda_graph
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
 from graphfuse.errors import UnsupportedError
 from graphfuse.execute import arguments, backend_of, bind_tensors, compile_in_place, group_info, rebind_group, run_step
@@ -46,6 +47,7 @@ class DistModel:
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
+        self.cuda_graphs = cuda_graph.start(self.strategy, model, self.world_size, backend_of(self.group, "cuda"))
         self.params, self.startup = ParamState(), Phases()
         if self.strategy.compile == "inductor":
             warm_workers()  # in the background, while the step is captured and rewritten
@@ -87,6 +89,7 @@ class DistModel:
                 f"the program was built for rank {program.rank} of {program.world_size}, but this process is "
                 f"rank {self.rank} of {self.world_size}; load the program saved by this rank, or rebuild with gf.compile"
             )
+        self.cuda_graphs = cuda_graph.start(self.strategy, model, self.world_size, backend_of(self.group, "cuda"))
         params = dict(model.named_parameters())
         for bucket in program.layout.buckets:
             for s in bucket.slots:
@@ -141,7 +144,8 @@ class DistModel:
     def _bind(self, program: Program) -> None:
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
-        self.tensors: dict[str, torch.Tensor] = bind_tensors(program, params, buffers, self.group)
+        scalars_on = self.cuda_graphs.device if self.cuda_graphs else None
+        self.tensors: dict[str, torch.Tensor] = bind_tensors(program, params, buffers, self.group, scalar_device=scalars_on)
 
     # ---- running --------------------------------------------------------------------
     def _program_for(self, batch, key: tuple) -> tuple[Program, Callable | None]:
@@ -177,6 +181,8 @@ class DistModel:
         if fn is None:
             with self.startup.time("inductor"):
                 fn = compile_in_place(program, arguments(program, self.tensors, leaves))
+            if self.cuda_graphs:  # run un-captured now, captured at this batch key's next step
+                fn = self.cuda_graphs.wrap(fn, program)
             self._programs[key] = (program, fn)
         steps = [s + 1 for s in self.steps]
         first = "first step" not in self.startup

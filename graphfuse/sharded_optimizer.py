@@ -78,6 +78,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "gf.shard_optimizer: Strategy.grad_accumulation must be 1; accumulate by calling backward() "
                 "several times before step() (gradients add up in .grad and are reduced once, in step())"
             )
+        if strategy.cuda_graphs:
+            raise UnsupportedError(
+                "gf.shard_optimizer: Strategy.cuda_graphs replays a whole step that gf.compile traced (forward, backward "
+                "and update) and is not supported here; use gf.compile, or set cuda_graphs=False"
+            )
         self.params = named_params(optimizer, model)
         super().__init__(list(self.params.values()), dict(optimizer.defaults))
         self.optimizer = optimizer

@@ -56,6 +56,10 @@ class Strategy:
     # collective in flight: the gathers would run back to back at the head) and without a
     # runtime. Default False until GPU measurements (docs/benchmarks.md) decide.
     overlap_param_gather: bool | Literal["auto"] = False
+    # Experimental: replay the whole inductor-compiled step from one CUDA graph per traced batch
+    # key (graphfuse/cuda_graph.py), for steps bound by kernel launches (small models). Needs
+    # compile="inductor", the model on one CUDA device and, above one rank, an NCCL group.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if not self.bucket_size_mb > 0:
@@ -90,6 +94,13 @@ class Strategy:
         if self.overlap_param_gather not in (True, False, "auto"):
             raise UnsupportedError(
                 f"Strategy.overlap_param_gather must be True, False or 'auto', got {self.overlap_param_gather!r}"
+            )
+        if not isinstance(self.cuda_graphs, bool):
+            raise UnsupportedError(f"Strategy.cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.compile != "inductor":
+            raise UnsupportedError(
+                f"Strategy.cuda_graphs=True replays the inductor-compiled step, but compile={self.compile!r}; "
+                "set compile='inductor', or cuda_graphs=False"
             )
         if not isinstance(self.program_cache_size, int) or self.program_cache_size < 1:
             raise UnsupportedError(f"Strategy.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")

@@ -1,10 +1,15 @@
 """Training-step time of graphfuse (fused ZeRO-1; with `graphfuse_deferred`, the parameter
-all-gather deferred to the next step) against eager DDP + ZeroRedundancyOptimizer, FSDP2
-(fully_shard) and, at one rank, torch.compile + fused AdamW, on the same GPT and batch: median
-step time, peak CUDA memory, setup + first step seconds, and the collectives each issues per step.
+all-gather deferred to the next step; with `graphfuse_cudagraphs`, the compiled step replayed from
+a CUDA graph) against eager DDP + ZeroRedundancyOptimizer, FSDP2 (fully_shard) and, at one rank,
+torch.compile + fused AdamW (`torch_compile_cudagraphs`: mode="reduce-overhead", its CUDA graphs
+around forward and backward), on the same GPT and batch: median step time, peak CUDA memory, setup
++ first step seconds (for the CUDA-graph methods, + the second step, which captures), and the
+collectives each issues per step.
 
     python tools/bench_step.py --device cpu --world-size 2
     python tools/bench_step.py --device cuda --world-size 1 --compile inductor --methods graphfuse torch_compile
+    python tools/bench_step.py --device cuda --world-size 1 --compile inductor --layers 2 --embd 128 --heads 4 \
+        --block 128 --batch 4 --vocab 50304 --steps 50 --methods graphfuse graphfuse_cudagraphs torch_compile
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import graphfuse as gf
 from graphfuse.launch import run_ranks
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
-METHODS = ["graphfuse", "graphfuse_deferred", "ddp_zero", "fsdp2", "torch_compile"]
+METHODS = ["graphfuse", "graphfuse_deferred", "graphfuse_cudagraphs", "ddp_zero", "fsdp2", "torch_compile", "torch_compile_cudagraphs"]
+CAPTURED_AT_SECOND_STEP = ("graphfuse_cudagraphs", "torch_compile_cudagraphs")
 
 
 def adamw(params, device: torch.device):
@@ -82,11 +88,11 @@ def loss_for(precision: str, device: torch.device):
     return loss_fn
 
 
-def compiled_step(model, device, master: bool, loss_fn):
-    """torch.compile(model) + fused AdamW (on fp32 master copies for bf16 parameters)."""
+def compiled_step(model, device, master: bool, loss_fn, mode: str | None = None):
+    """torch.compile(model, mode=mode) + fused AdamW (on fp32 master copies for bf16 parameters)."""
     masters = [p.detach().float().requires_grad_() for p in model.parameters()] if master else None
     opt = adamw(masters if master else model.parameters(), device)
-    forward = torch.compile(model)
+    forward = torch.compile(model, mode=mode)
 
     def step(batch):
         loss_fn(forward, batch).backward()
@@ -110,12 +116,13 @@ def build(method: str, base, device, args, batch0):
     master, loss_fn = args.precision == "bf16master", loss_for(args.precision, device)
     if method.startswith("graphfuse"):
         strategy = gf.Strategy(bucket_size_mb=args.bucket_mb, compile=args.compile, master_dtype=torch.float32 if master else None,
-                               overlap_param_gather=method == "graphfuse_deferred")
+                               overlap_param_gather=method == "graphfuse_deferred", cuda_graphs=method == "graphfuse_cudagraphs")
         dm = gf.compile(model, adamw(model.parameters(), device), loss_fn, batch0, strategy)
         counts = count_targets(dm.program)
         return dm, sum(v for k, v in counts.items() if k.startswith("_c10d_functional") and "wait" not in k), "graph"
-    if method == "torch_compile":
-        return compiled_step(model, device, master, loss_fn), 0, "none (one process)"
+    if method.startswith("torch_compile"):
+        mode = "reduce-overhead" if method == "torch_compile_cudagraphs" else None
+        return compiled_step(model, device, master, loss_fn, mode), 0, "none (one process)"
     if master:
         raise SystemExit(f"--precision bf16master is measured for graphfuse and torch_compile only, not {method}")
     if method == "ddp_zero":
@@ -156,6 +163,8 @@ def worker(rank: int, world: int, args) -> dict:
         t = time.perf_counter()
         step, collectives, counted_by = build(method, base, device, args, batches[0])
         step(batches[0])
+        if method in CAPTURED_AT_SECOND_STEP:
+            step(batches[1])
         sync(device)
         setup_s = time.perf_counter() - t
         times = timed(step, batches, args.warmup, device)
@@ -189,8 +198,10 @@ def main() -> None:
                     help="fp32 (TF32 matmuls), amp (bf16 autocast forward), bf16master (bf16 parameters, fp32 master weights)")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=["graphfuse", "ddp_zero", "fsdp2"])
     args = ap.parse_args()
-    if "torch_compile" in args.methods and args.world_size > 1:
+    if any(m.startswith("torch_compile") for m in args.methods) and args.world_size > 1:
         ap.error("torch_compile is measured at --world-size 1 only (no data parallelism around it)")
+    if "graphfuse_cudagraphs" in args.methods and (args.device, args.compile) != ("cuda", "inductor"):
+        ap.error("graphfuse_cudagraphs replays the inductor-compiled step: use --device cuda --compile inductor")
     if "graphfuse_deferred" in args.methods and args.world_size == 1:
         ap.error("graphfuse_deferred is the graphfuse program itself at world size 1 (nothing to gather); "
                  "use tools/overlap_report.py for its schedule")
