@@ -151,3 +151,25 @@ def test_report_predicts_every_schedule_at_2_4_8(tiny_report):
     # modelled time (all parameters, as one all-gather) is exposed in full.
     params = sum(b["bytes"] for b in tiny_report["modes"]["end_of_step_gather"]["buckets"])
     assert predicted["ddp_zero"]["8"]["exposed_ms"] >= 1e3 * report.collective_seconds("all_gather", params, 8, BUSBW, 5e-6) - 1e-9
+
+
+def test_the_timing_marks_cost_is_taken_off_every_event_after_them():
+    # 3 inner marks; with marks the step took 10 s, without 7: each mark cost 1 s.
+    events = [("start", "", 0.0), ("backward", "", 2.0), ("issue", "a", 4.0), ("wait", "a", 8.0), ("end", "", 10.0)]
+    moved, cost = report.without_mark_cost(events, 7.0)
+    assert [t for _, _, t in moved] == pytest.approx([0.0, 1.0, 2.0, 5.0, 7.0])
+    assert cost == pytest.approx({"marked_ms": 1e4, "plain_ms": 7e3, "mark_cost_us": 1e6, "marks": 3})
+    # Marks that cost nothing measurable (the plain run was as slow) move nothing; no event
+    # moves before the one that precedes it.
+    assert report.without_mark_cost(events, 11.0)[0] == events
+    tight = [("start", "", 0.0), ("issue", "a", 0.5), ("wait", "a", 0.6), ("end", "", 3.0)]
+    assert [t for _, _, t in report.without_mark_cost(tight, 1.0)[0]] == pytest.approx([0.0, 0.0, 0.0, 1.0])
+
+
+def test_report_states_the_timing_marks_cost(tiny_report):
+    for mode, r in tiny_report["modes"].items():
+        m = r["timing_marks"]
+        assert m["marks"] == len(r["schedule"]) - 2 > 0, mode
+        assert m["plain_ms"] > 0 and m["mark_cost_us"] >= 0
+        # The step's end moves to the unmarked time, or less far when the last marks are dense.
+        assert min(m["plain_ms"], m["marked_ms"]) - 1e-6 <= r["compute_ms"] <= m["marked_ms"] + 1e-6
