@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -248,7 +249,25 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def plan_buckets(params: list[ParamInfo], world_size: int, align_bytes: int, bucket_bytes: int) -> BucketLayout:
+def _block_boundary(members: list[tuple[ParamInfo, int]], p: ParamInfo) -> bool:
+    """Whether `p` may not join a bucket holding `members` (Strategy.align_buckets_to_blocks):
+    it begins another block, or it is outside every block and the bucket holds a block's
+    parameters, or the other way round."""
+    here = block_of(p.fqn)
+    return here != block_of(members[-1][0].fqn) and here not in {block_of(m.fqn) for m, _ in members}
+
+
+# The first numbered module of an FQN ("transformer.h.3" of "transformer.h.3.attn.c_attn.weight"):
+# a repeated block (a transformer layer), for Strategy.align_buckets_to_blocks.
+BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+def block_of(fqn: str) -> str | None:
+    m = BLOCK.match(fqn)
+    return m.group(1) if m else None
+
+
+def plan_buckets(params: list[ParamInfo], world_size: int, align_bytes: int, bucket_bytes: int, *, blocks: bool = False) -> BucketLayout:
     """Place `params`, given in the order backward produces their gradients, into buckets.
 
     Parameters are grouped by (dtype, device, param group), one open bucket per group; a
@@ -256,6 +275,12 @@ def plan_buckets(params: list[ParamInfo], world_size: int, align_bytes: int, buc
     multiple of world_size × alignment, and a bucket closes before that length in bytes
     would pass `bucket_bytes` (a parameter larger than that gets a bucket of its own). Buckets are ordered by the
     moment their last gradient is produced, so the first bucket is the first one ready.
+
+    With `blocks`, a bucket also closes where a repeated block (`block_of`) begins or ends:
+    each block has buckets of its own (more than one where it passes the cap, split at the
+    same places in identical blocks), so identical blocks lie at identical bucket offsets and
+    inductor compiles one kernel for all of them; at other offsets each block's kernels differ
+    (the offsets are constants in their code) and are compiled once per block.
     """
     if world_size < 1:
         raise GraphfuseError(f"world_size must be >= 1, got {world_size}")
@@ -271,7 +296,8 @@ def plan_buckets(params: list[ParamInfo], world_size: int, align_bytes: int, buc
         members = open_.setdefault(key, [])
         used = sum(n for _, n in members)
         # The cap holds for the bucket's final length, rounded up to world_size × alignment.
-        if members and _round_up(used + padded, world_size * align_of(p.dtype)) * itemsize(p.dtype) > bucket_bytes:
+        full = _round_up(used + padded, world_size * align_of(p.dtype)) * itemsize(p.dtype) > bucket_bytes
+        if members and (full or (blocks and _block_boundary(members, p))):
             closed.append((pos - 1, key, members))
             members = open_[key] = []
         members.append((p, padded))

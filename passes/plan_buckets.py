@@ -43,7 +43,7 @@ def run(program: Program) -> Program:
         grad_pos[fqn] = (ready_position(order, node), order[node])
     params.sort(key=lambda p: grad_pos[p.fqn])
     s = program.strategy
-    layout = plan(params, program.world_size, s.align_bytes, s.bucket_bytes)
+    layout = plan(params, program.world_size, s.align_bytes, s.bucket_bytes, blocks=s.align_buckets_to_blocks)
     return program.with_(layout=layout)
 
 

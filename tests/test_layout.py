@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphfuse.layout import Box, BucketLayout, ParamInfo, flat_boxes, itemsize, plan_buckets
+from graphfuse.layout import Box, BucketLayout, ParamInfo, block_of, flat_boxes, itemsize, plan_buckets
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 
@@ -280,3 +280,59 @@ def test_flat_boxes_example_a_range_across_rows():
         Box(4, 12, (1, 0), (2, 4)),
         Box(12, 14, (3, 0), (1, 2)),
     ]
+
+
+# ---- Strategy.align_buckets_to_blocks -------------------------------------------------------
+
+block_params_st = st.lists(
+    st.tuples(st.integers(-1, 3), shapes, st.sampled_from(DTYPES), st.integers(0, 1)), min_size=1, max_size=14,
+).map(lambda rows: [ParamInfo(f"h.{b}.w{i}" if b >= 0 else f"head.w{i}", s, d, "cpu", g) for i, (b, s, d, g) in enumerate(rows)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(block_params_st, worlds, aligns, caps)
+def test_blocks_keep_every_invariant_and_a_bucket_holds_one_block_or_none(params, world, align, cap):
+    layout = plan_buckets(params, world, align, cap, blocks=True)
+    assert sorted(layout.fqns) == sorted(p.fqn for p in params)
+    for bucket in layout.buckets:
+        assert len(bucket.slots) == 1 or bucket.nbytes <= cap  # the cap holds as without blocks
+        runs = [block_of(s.fqn) for s in bucket.slots]
+        # One block per bucket, unless the backward interleaves two (the order given here is random).
+        contiguous = all(block_of(p.fqn) == block_of(q.fqn) for p, q in zip(params, params[1:]) if block_of(p.fqn) and block_of(q.fqn))
+        if contiguous:
+            assert len(set(runs)) == 1, runs
+
+
+def _gpt_like(n_blocks: int) -> list[ParamInfo]:
+    """Backward order of a small transformer: head, blocks last to first, embeddings."""
+    block = [("mlp.proj.bias", (64,)), ("mlp.proj.weight", (64, 256)), ("mlp.fc.weight", (256, 64)),
+             ("ln.weight", (64,)), ("attn.qkv.weight", (192, 64)), ("attn.qkv.bias", (192,))]
+    params = [ParamInfo("ln_f.weight", (64,), "float32", "cpu", 0)]
+    for b in reversed(range(n_blocks)):
+        params += [ParamInfo(f"transformer.h.{b}.{name}", shape, "float32", "cpu", 0) for name, shape in block]
+    return params + [ParamInfo("wte.weight", (100, 64), "float32", "cpu", 0)]
+
+
+def test_blocks_give_identical_blocks_identical_bucket_offsets_also_when_split_by_the_cap():
+    def shape_of(bucket):  # what a kernel's code sees: shapes and offsets, not names
+        return tuple((s.shape, s.offset, s.numel, s.padded) for s in bucket.slots), bucket.size
+
+    for cap in (1 << 30, 70_000):  # all blocks fit; a block (about 150 KB) is split
+        layout = plan_buckets(_gpt_like(4), 2, 256, cap, blocks=True)
+        per_block = {}
+        for bucket in layout.buckets:
+            blocks = {block_of(f) for f in bucket.fqns}
+            assert len(blocks) == 1, bucket.fqns
+            per_block.setdefault(blocks.pop(), []).append(shape_of(bucket))
+        assert set(per_block) == {None, *(f"transformer.h.{b}" for b in range(4))}
+        assert len({tuple(v) for k, v in per_block.items() if k is not None}) == 1, per_block
+        assert len(per_block["transformer.h.0"]) == (1 if cap > 1e6 else 3)
+    # Without blocks, all of it shares one bucket at the large cap: the blocks' offsets differ.
+    assert len(plan_buckets(_gpt_like(4), 2, 256, 1 << 30).buckets) == 1
+
+
+def test_block_of_is_the_first_numbered_module():
+    assert block_of("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
+    assert block_of("model.layers.12.mlp.gate_proj.weight") == "model.layers.12"
+    assert block_of("encoder.layer.0.attention.self.query.weight") == "encoder.layer.0"
+    assert block_of("0.weight") is None and block_of("wte.weight") is None and block_of("h.3") is None

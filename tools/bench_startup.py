@@ -75,7 +75,7 @@ def run(args) -> dict:
         sync(args.device)
         return {"start": args.start, "total_s": time.perf_counter() - t}
     if args.start == "fresh":
-        dm = gf.compile(model, opt, gpt_loss, batch, gf.Strategy(compile="inductor"))
+        dm = gf.compile(model, opt, gpt_loss, batch, gf.Strategy(compile="inductor", bucket_size_mb=args.bucket_mb, align_buckets_to_blocks=args.align_blocks))
         gf.save_program(dm.program, args.program)
     else:
         dm = gf.DistModel.from_program(gf.load_program(args.program), model, opt)
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     for flag, default in (("layers", 2), ("embd", 64), ("heads", 4), ("block", 32), ("vocab", 256), ("batch", 2)):
         ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--bucket-mb", type=float, default=256.0, help="Strategy.bucket_size_mb (its default: 256)")
+    ap.add_argument("--align-blocks", action="store_true", help="Strategy.align_buckets_to_blocks")
     ap.add_argument("--start", choices=["all", "fresh", "restart", "torch_compile"], default="all")
     ap.add_argument("--program", help="program file (internal)")
     ap.add_argument("--cache-dir", help="inductor cache directory (default: a new empty one)")
