@@ -249,14 +249,6 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _block_boundary(members: list[tuple[ParamInfo, int]], p: ParamInfo) -> bool:
-    """Whether `p` may not join a bucket holding `members` (Strategy.align_buckets_to_blocks):
-    it begins another block, or it is outside every block and the bucket holds a block's
-    parameters, or the other way round."""
-    here = block_of(p.fqn)
-    return here != block_of(members[-1][0].fqn) and here not in {block_of(m.fqn) for m, _ in members}
-
-
 # The first numbered module of an FQN ("transformer.h.3" of "transformer.h.3.attn.c_attn.weight"):
 # a repeated block (a transformer layer), for Strategy.align_buckets_to_blocks.
 BLOCK = re.compile(r"^(.*?\.\d+)\.")
@@ -265,6 +257,14 @@ BLOCK = re.compile(r"^(.*?\.\d+)\.")
 def block_of(fqn: str) -> str | None:
     m = BLOCK.match(fqn)
     return m.group(1) if m else None
+
+
+def _block_boundary(members: list[tuple[ParamInfo, int]], p: ParamInfo) -> bool:
+    """Whether `p` may not join a bucket holding `members` (Strategy.align_buckets_to_blocks):
+    it begins another block, or it is outside every block and the bucket holds a block's
+    parameters, or the other way round."""
+    here = block_of(p.fqn)
+    return here != block_of(members[-1][0].fqn) and here not in {block_of(m.fqn) for m, _ in members}
 
 
 def plan_buckets(params: list[ParamInfo], world_size: int, align_bytes: int, bucket_bytes: int, *, blocks: bool = False) -> BucketLayout:
