@@ -91,14 +91,13 @@ def _kernels(n_layer: int, blocks: bool) -> int:
 
 
 def test_aligned_blocks_compile_each_blocks_kernels_once():
-    # One bucket per block: 4 and 6 layers compile the same kernels. The default layout puts
-    # the blocks at other offsets of one bucket, constants in the kernels' code, so the same 6
-    # layers compile more (measured, torch 2.13 CPU: 25 and 25 against 36). The count is not
-    # monotonic in the layers in general (5 aligned layers gave 28: inductor groups the
-    # buckets' update kernels by count), hence two even counts.
+    # One bucket per block: 4 and 6 layers compile the same kernels. In the default layout the
+    # blocks lie at other offsets of one bucket, constants in the kernels' code, and the count
+    # grows with the layers (measured, torch 2.13 CPU: 28 at 4 layers, 36 at 6; aligned 25 at
+    # both). The count is not monotonic in the layers in general (5 aligned layers gave 28:
+    # inductor groups the buckets' update kernels by count), hence two even counts.
     aligned = [_kernels(n, blocks=True) for n in (4, 6)]
     assert aligned[0] == aligned[1], aligned
-    assert _kernels(6, blocks=False) > aligned[1]
 
 
 def test_aligned_blocks_train_bitwise_like_the_default_layout():
