@@ -47,10 +47,7 @@ class DistModel:
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
-        self.cuda_graphs = cuda_graph.start(self.strategy, model, self.world_size, backend_of(self.group, "cuda"))
-        self.params, self.startup = ParamState(), Phases()
-        if self.strategy.compile == "inductor":
-            warm_workers()  # in the background, while the step is captured and rewritten
+        self._prepare()
         key = batch_key(example_batch)
         program, error = None, None
         try:
@@ -80,16 +77,13 @@ class DistModel:
         self = cls.__new__(cls)
         self.model, self.optimizer, self.loss_fn = model, optimizer, None
         self.strategy = program.strategy
-        self.params, self.startup = ParamState(), Phases()
-        if self.strategy.compile == "inductor":
-            warm_workers()  # in the background, while the program is bound
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         if (self.world_size, self.rank) != (program.world_size, program.rank):
             raise UnsupportedError(
                 f"the program was built for rank {program.rank} of {program.world_size}, but this process is "
                 f"rank {self.rank} of {self.world_size}; load the program saved by this rank, or rebuild with gf.compile"
             )
-        self.cuda_graphs = cuda_graph.start(self.strategy, model, self.world_size, backend_of(self.group, "cuda"))
+        self._prepare()
         params = dict(model.named_parameters())
         for bucket in program.layout.buckets:
             for s in bucket.slots:
@@ -107,6 +101,15 @@ class DistModel:
             program = rebind_group(program, self.group_name)
         self._start(program, program_batch_key(program))
         return self
+
+    def _prepare(self) -> None:
+        """What both starts do before a program is built or bound: refuse what a CUDA graph
+        cannot capture (Strategy.cuda_graphs), and start inductor's compile workers in the
+        background, while the step is captured or the program is bound."""
+        self.params, self.startup = ParamState(), Phases()
+        self.cuda_graphs = cuda_graph.start(self.strategy, self.model, self.world_size, backend_of(self.group, "cuda"))
+        if self.strategy.compile == "inductor":
+            warm_workers()
 
     def _start(self, program: Program, key: tuple) -> None:
         with self.startup.time("bind"):
