@@ -1,6 +1,8 @@
 """Start-up of a GPT step: gf.compile's phases and the first step (inductor compile and run),
 then a restart from the saved program file in a fresh process with the same inductor cache
-directory, and, for comparison, torch.compile(model) + fused AdamW to its first step.
+directory, and, for comparison, torch.compile(model) + fused AdamW to its first step (with an
+empty inductor cache of its own). Each start also reports torch's own compile phases
+(`dynamo_timed`: scheduler, code generation, kernel compiles awaited).
 
     python tools/bench_startup.py --device cpu --layers 2 --embd 64 --heads 4 --block 32 --vocab 256 --batch 2
     python tools/bench_startup.py --device cuda --layers 12 --embd 768 --heads 12 --block 1024 --vocab 50304 --batch 8
@@ -73,7 +75,7 @@ def run(args) -> dict:
         gpt_loss(forward, batch).backward()
         opt.step()
         sync(args.device)
-        return {"start": args.start, "total_s": time.perf_counter() - t}
+        return {"start": args.start, "total_s": time.perf_counter() - t, "inductor_s": inductor_times()}
     if args.start == "fresh":
         dm = gf.compile(model, opt, gpt_loss, batch, gf.Strategy(compile="inductor", bucket_size_mb=args.bucket_mb, align_buckets_to_blocks=args.align_blocks))
         gf.save_program(dm.program, args.program)
@@ -81,7 +83,29 @@ def run(args) -> dict:
         dm = gf.DistModel.from_program(gf.load_program(args.program), model, opt)
     dm(batch)
     sync(args.device)
-    return {"start": args.start, "total_s": time.perf_counter() - t, "phases_s": dict(dm.startup)}
+    return {"start": args.start, "total_s": time.perf_counter() - t, "phases_s": dict(dm.startup), "inductor_s": inductor_times()}
+
+
+def inductor_times() -> dict[str, float]:
+    """Seconds in each of torch's `dynamo_timed` compile phases (scheduler, code generation,
+    waiting for kernel compiles, ...), summed over the graphs compiled in this process."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: round(sum(values), 3) for name, values in compilation_time_metrics.items()}
+
+
+def child_argv(argv: list[str]) -> list[str]:
+    """This command line without --start/--starts and their values: each child gets its own."""
+    out, skipping = [], False
+    for a in argv:
+        if a.startswith("--start"):
+            skipping = "=" not in a
+            continue
+        if skipping and not a.startswith("-"):
+            continue
+        skipping = False
+        out.append(a)
+    return out
 
 
 def main() -> None:
@@ -92,6 +116,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="Strategy.bucket_size_mb (its default: 256)")
     ap.add_argument("--align-blocks", action="store_true", help="Strategy.align_buckets_to_blocks")
     ap.add_argument("--start", choices=["all", "fresh", "restart", "torch_compile"], default="all")
+    ap.add_argument("--starts", nargs="+", choices=["fresh", "restart", "torch_compile"], default=["fresh", "restart", "torch_compile"], help="which starts to run (restart needs fresh)")
     ap.add_argument("--program", help="program file (internal)")
     ap.add_argument("--cache-dir", help="inductor cache directory (default: a new empty one)")
     ap.add_argument("--profile", help="directory for each start's cProfile summary")
@@ -102,16 +127,23 @@ def main() -> None:
         print(json.dumps(profiled(args)))
         return
     work = tempfile.mkdtemp(prefix="graphfuse-startup-")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": args.cache_dir or os.path.join(work, "cache")}
+    cache = args.cache_dir or os.path.join(work, "cache")
     rows = []
-    for start in ("fresh", "restart", "torch_compile"):  # each in a fresh process: imports and caches as at a real start
-        argv = [a for a in sys.argv[1:] if not a.startswith("--start")]
+    if "restart" in args.starts and "fresh" not in args.starts:
+        ap.error("--starts restart needs fresh too: a restart reads the program file the fresh start writes")
+    for start in args.starts:  # each in a fresh process: imports and caches as at a real start
+        # torch.compile gets an empty cache of its own: in graphfuse's it would find the Triton
+        # kernels the fresh start compiled for the same shapes, and start faster than it can.
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache + ("-torch-compile" if start == "torch_compile" else "")}
+        argv = child_argv(sys.argv[1:])
         cmd = [sys.executable, __file__, *argv, f"--start={start}", f"--program={os.path.join(work, 'program')}"]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     for r in rows:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
         print(f"{r['start']:14} {r['total_s']:7.2f} s   {phases}")
+        top = sorted(r["inductor_s"].items(), key=lambda kv: -kv[1])[:8]
+        print(f"{'':14} torch's compile phases: " + ", ".join(f"{k} {v:.2f}" for k, v in top))
     print(json.dumps({"bench": "startup", "device": args.device, "torch": torch.__version__, "config": vars(args), "rows": rows}))
 
 
