@@ -64,7 +64,7 @@ class Strategy:
     # "h.3") buckets of its own, split by bucket_size_mb where larger: identical blocks then lie
     # at identical bucket offsets and inductor compiles their kernels once instead of once per
     # block (graphfuse/layout.py). More buckets (one or more per block). Off until measured on GPU.
-    align_buckets_to_blocks: bool = False
+    align_buckets_to_blocks: bool | Literal["auto"] = False
 
     def __post_init__(self) -> None:
         if not self.bucket_size_mb > 0:
@@ -100,8 +100,10 @@ class Strategy:
             raise UnsupportedError(
                 f"Strategy.overlap_param_gather must be True, False or 'auto', got {self.overlap_param_gather!r}"
             )
-        if not isinstance(self.align_buckets_to_blocks, bool):
-            raise UnsupportedError(f"Strategy.align_buckets_to_blocks must be True or False, got {self.align_buckets_to_blocks!r}")
+        if not (isinstance(self.align_buckets_to_blocks, bool) or self.align_buckets_to_blocks == "auto"):
+            raise UnsupportedError(
+                f"Strategy.align_buckets_to_blocks must be True, False or 'auto', got {self.align_buckets_to_blocks!r}"
+            )
         if not isinstance(self.cuda_graphs, bool):
             raise UnsupportedError(f"Strategy.cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.cuda_graphs and self.compile != "inductor":

@@ -6,11 +6,24 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphfuse.layout import Box, BucketLayout, ParamInfo, block_of, flat_boxes, itemsize, plan_buckets
+import graphfuse as gf
+from graphfuse.errors import GraphfuseError, UnsupportedError
+from graphfuse.layout import (
+    MIN_ALIGNED_BLOCK_BYTES,
+    Box,
+    BucketLayout,
+    ParamInfo,
+    aligned_blocks,
+    block_of,
+    flat_boxes,
+    itemsize,
+    plan_buckets,
+)
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 
@@ -336,3 +349,42 @@ def test_block_of_is_the_first_numbered_module():
     assert block_of("model.layers.12.mlp.gate_proj.weight") == "model.layers.12"
     assert block_of("encoder.layer.0.attention.self.query.weight") == "encoder.layer.0"
     assert block_of("0.weight") is None and block_of("wte.weight") is None and block_of("h.3") is None
+
+
+def _blocks_of(layout) -> list[set]:
+    return [{block_of(f) for f in b.fqns} for b in layout.buckets]
+
+
+def test_auto_aligns_repeated_blocks_of_a_mebibyte_or_more_and_packs_the_rest():
+    wide = [ParamInfo(f"h.{b}.w", (512, 512), "float32", "cpu", 0) for b in reversed(range(3))]  # 1 MiB each
+    small = [ParamInfo(f"h.{b}.w", (64, 64), "float32", "cpu", 0) for b in reversed(range(3))]  # 16 KiB each
+    head = [ParamInfo("head.w", (512, 512), "float32", "cpu", 0)]
+    assert MIN_ALIGNED_BLOCK_BYTES == 512 * 512 * 4
+    assert aligned_blocks(head + wide, "auto") == {"h.0", "h.1", "h.2"}
+    layout = plan_buckets(head + wide, 1, 256, 1 << 30, blocks="auto")
+    assert _blocks_of(layout) == [{None}, {"h.2"}, {"h.1"}, {"h.0"}]
+    # Blocks under a mebibyte share buckets as without blocks (True would split them anyway).
+    assert aligned_blocks(small, "auto") == set()
+    assert len(plan_buckets(head + small, 1, 256, 1 << 30, blocks="auto").buckets) == 1
+    assert len(plan_buckets(head + small, 1, 256, 1 << 30, blocks=True).buckets) == 4
+    assert aligned_blocks(head + wide, False) == set()
+
+
+def test_auto_leaves_a_block_that_does_not_repeat_to_share_a_bucket():
+    # Three blocks of one shape and one of another (a differently sized last layer): only the
+    # three repeat, so only they can share kernels; the odd one packs with the head.
+    params = [ParamInfo("head.w", (512, 512), "float32", "cpu", 0), ParamInfo("h.3.w", (512, 1024), "float32", "cpu", 0)]
+    params += [ParamInfo(f"h.{b}.w", (512, 512), "float32", "cpu", 0) for b in reversed(range(3))]
+    assert aligned_blocks(params, "auto") == {"h.0", "h.1", "h.2"}
+    assert _blocks_of(plan_buckets(params, 1, 256, 1 << 30, blocks="auto")) == [{None, "h.3"}, {"h.2"}, {"h.1"}, {"h.0"}]
+    # Same shapes in another dtype or param group are not the same block.
+    regrouped = [*params[:2], ParamInfo("h.2.w", (512, 512), "float32", "cpu", 1), *params[3:]]
+    assert aligned_blocks(regrouped, "auto") == {"h.0", "h.1"}
+
+
+def test_align_rule_must_be_true_false_or_auto():
+    with pytest.raises(GraphfuseError, match="True, False or 'auto'"):
+        aligned_blocks(_gpt_like(2), "yes")
+    for bad in ("yes", 1, None):
+        with pytest.raises(UnsupportedError, match="align_buckets_to_blocks must be True, False or 'auto'"):
+            gf.Strategy(align_buckets_to_blocks=bad)

@@ -1,6 +1,7 @@
 """Training-step time of graphfuse (fused ZeRO-1; with `graphfuse_deferred`, the parameter
 all-gather deferred to the next step; with `graphfuse_cudagraphs`, the compiled step replayed from
-a CUDA graph; with `graphfuse_aligned`, buckets aligned to the model's blocks) against eager DDP + ZeroRedundancyOptimizer, FSDP2 (fully_shard) and, at one rank,
+a CUDA graph; with `graphfuse_aligned` / `graphfuse_unaligned`, Strategy.align_buckets_to_blocks
+True / False instead of its default) against eager DDP + ZeroRedundancyOptimizer, FSDP2 (fully_shard) and, at one rank,
 torch.compile + fused AdamW (`torch_compile_cudagraphs`: mode="reduce-overhead", its CUDA graphs
 around forward and backward), on the same GPT and batch: median step time, peak CUDA memory, setup
 + first step seconds (for the CUDA-graph methods, + the second step, which captures), and the
@@ -32,7 +33,7 @@ import graphfuse as gf
 from graphfuse.launch import run_ranks
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
-METHODS = ["graphfuse", "graphfuse_deferred", "graphfuse_cudagraphs", "graphfuse_aligned", "ddp_zero", "fsdp2", "torch_compile", "torch_compile_cudagraphs"]
+METHODS = ["graphfuse", "graphfuse_deferred", "graphfuse_cudagraphs", "graphfuse_aligned", "graphfuse_unaligned", "ddp_zero", "fsdp2", "torch_compile", "torch_compile_cudagraphs"]
 CAPTURED_AT_SECOND_STEP = ("graphfuse_cudagraphs", "torch_compile_cudagraphs")
 
 
@@ -117,9 +118,10 @@ def build(method: str, base, device, args, batch0):
     model = copy.deepcopy(base)
     master, loss_fn = args.precision == "bf16master", loss_for(args.precision, device)
     if method.startswith("graphfuse"):
+        align = {"graphfuse_aligned": {"align_buckets_to_blocks": True}, "graphfuse_unaligned": {"align_buckets_to_blocks": False}}
         strategy = gf.Strategy(bucket_size_mb=args.bucket_mb, compile=args.compile, master_dtype=torch.float32 if master else None,
                                overlap_param_gather=method == "graphfuse_deferred", cuda_graphs=method == "graphfuse_cudagraphs",
-                               align_buckets_to_blocks=method == "graphfuse_aligned")
+                               **align.get(method, {}))
         dm = gf.compile(model, adamw(model.parameters(), device), loss_fn, batch0, strategy)
         counts = count_targets(dm.program)
         return dm, sum(v for k, v in counts.items() if k.startswith("_c10d_functional") and "wait" not in k), "graph"
