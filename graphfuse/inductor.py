@@ -21,12 +21,30 @@ WORKAROUNDS: dict[str, object] = {
 }
 
 
+# Inductor settings that shorten the compile of a whole-step program and leave its generated
+# code as it was (checked: the same output code with and without, for GPT-2 small on one H200
+# and for a 12-layer GPT on the CPU; docs/benchmarks.md). Not used for the torch.compile backend's
+# graphs, where that was not checked.
+COMPILE_SPEED: dict[str, object] = {
+    # Inductor looks for fusions among the nodes that read one buffer, up to this many pairs per
+    # node (default 64). Every parameter read is a view of its bucket, so one buffer has hundreds
+    # of readers: with 64, its scheduler ran 6x torch.compile's fusion checks (14,744 against
+    # 2,460 on the CPU) and spent 4.3 s in Scheduler.__init__ on the GPU; with 8, 3.4 s.
+    "max_fusion_buffer_group_pairwise_attempts": 8,
+}
+
+
 def active_workarounds() -> dict[str, object]:
     """The entries of WORKAROUNDS that this torch's inductor config knows."""
+    return _known(WORKAROUNDS)
+
+
+def _known(settings: dict[str, object]) -> dict[str, object]:
+    """The entries of `settings` that this torch's inductor config knows."""
     import torch._inductor.config as config
 
     active = {}
-    for key, value in WORKAROUNDS.items():
+    for key, value in settings.items():
         owner = config
         *path, leaf = key.split(".")
         for part in path:
@@ -50,7 +68,8 @@ def warm_workers() -> None:
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
-    """`compile_fx(gm, example_inputs)` under graphfuse's inductor WORKAROUNDS, in a tracing
+    """`compile_fx(gm, example_inputs)` under graphfuse's inductor WORKAROUNDS (and, for a
+    program graphfuse built, its COMPILE_SPEED settings), in a tracing
     context whose fake mode has a ShapeEnv: without one inductor bypasses its FX graph cache
     ("No shape env"), so every start, also from a program file, compiled from scratch."""
     import torch._inductor.config as config
@@ -62,9 +81,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) 
     if TracingContext.try_get() is not None:  # called by dynamo (the "graphfuse" backend): it has one
         with config.patch(active_workarounds()):
             return compile_fx(gm, example_inputs)
+    settings = {**_known(COMPILE_SPEED), **active_workarounds()}
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     # Fake inputs made here with static shapes, as dynamo hands a backend its inputs; real ones
     # would be fakified by AOTAutograd with symbolic shapes under the ShapeEnv.
     fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    with config.patch(active_workarounds()), tracing(TracingContext(fake_mode)):
+    with config.patch(settings), tracing(TracingContext(fake_mode)):
         return compile_fx(gm, fakes)
