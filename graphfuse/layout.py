@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -249,62 +249,16 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-# The first numbered module of an FQN ("transformer.h.3" of "transformer.h.3.attn.c_attn.weight"):
-# a repeated block (a transformer layer), for Strategy.align_buckets_to_blocks.
-BLOCK = re.compile(r"^(.*?\.\d+)\.")
-
-
-def block_of(fqn: str) -> str | None:
-    m = BLOCK.match(fqn)
-    return m.group(1) if m else None
-
-
-# Under align_buckets_to_blocks="auto", a block gets buckets of its own only when it holds at
-# least this many bytes: smaller blocks' kernels compile fast, and a bucket each would multiply
-# the collectives (a 1000-layer stack of small layers would issue 1000 reduce-scatters).
-MIN_ALIGNED_BLOCK_BYTES = 1 << 20
-
-
-def aligned_blocks(params: list[ParamInfo], rule: bool | str) -> frozenset[str]:
-    """The blocks (`block_of`) that get buckets of their own under Strategy.align_buckets_to_blocks
-    = `rule`: every block for True, none for False; for "auto", the blocks that repeat (another
-    block has the same parameters by relative name, shape, dtype and param group: their kernels
-    are the ones inductor can share) and hold at least MIN_ALIGNED_BLOCK_BYTES."""
-    if not (isinstance(rule, bool) or rule == "auto"):
-        raise GraphfuseError(f"align_buckets_to_blocks must be True, False or 'auto', got {rule!r}")
-    if rule is False:
-        return frozenset()
-    members: dict[str, list[tuple]] = {}
-    size: dict[str, int] = {}
-    for p in params:
-        b = block_of(p.fqn)
-        if b is not None:
-            members.setdefault(b, []).append((p.fqn[len(b):], p.shape, p.dtype, p.group))
-            size[b] = size.get(b, 0) + p.numel * itemsize(p.dtype)
-    if rule is True:
-        return frozenset(members)
-    shapes = {b: tuple(sorted(m)) for b, m in members.items()}
-    count: dict[tuple, int] = {}
-    for key in shapes.values():
-        count[key] = count.get(key, 0) + 1
-    return frozenset(b for b, key in shapes.items() if count[key] >= 2 and size[b] >= MIN_ALIGNED_BLOCK_BYTES)
-
-
-def _block_boundary(members: list[tuple[ParamInfo, int]], p: ParamInfo, blocks: frozenset[str]) -> bool:
+def _block_boundary(members: list[tuple[ParamInfo, int]], p: ParamInfo, blocks: Mapping[str, str]) -> bool:
     """Whether `p` may not join a bucket holding `members` (Strategy.align_buckets_to_blocks):
     it begins another aligned block, or it is outside the aligned blocks and the bucket holds an
     aligned block's parameters, or the other way round."""
-
-    def of(fqn: str) -> str | None:
-        b = block_of(fqn)
-        return b if b in blocks else None
-
-    here = of(p.fqn)
-    return here != of(members[-1][0].fqn) and here not in {of(m.fqn) for m, _ in members}
+    here = blocks.get(p.fqn)
+    return here != blocks.get(members[-1][0].fqn) and here not in {blocks.get(m.fqn) for m, _ in members}
 
 
 def plan_buckets(
-    params: list[ParamInfo], world_size: int, align_bytes: int, bucket_bytes: int, *, blocks: bool | str = False
+    params: list[ParamInfo], world_size: int, align_bytes: int, bucket_bytes: int, *, blocks: Mapping[str, str] | None = None
 ) -> BucketLayout:
     """Place `params`, given in the order backward produces their gradients, into buckets.
 
@@ -314,15 +268,15 @@ def plan_buckets(
     would pass `bucket_bytes` (a parameter larger than that gets a bucket of its own). Buckets are ordered by the
     moment their last gradient is produced, so the first bucket is the first one ready.
 
-    With `blocks` (True, or "auto": see `aligned_blocks`), a bucket also closes where an aligned
-    block (`block_of`) begins or ends: each such block has buckets of its own (more than one where it passes the cap, split at the
+    With `blocks` (FQN -> its aligned block, from graphfuse.blocks.aligned_blocks), a bucket also
+    closes where an aligned block begins or ends: each such block has buckets of its own (more than one where it passes the cap, split at the
     same places in identical blocks), so identical blocks lie at identical bucket offsets and
     inductor compiles one kernel for all of them; at other offsets each block's kernels differ
     (the offsets are constants in their code) and are compiled once per block.
     """
     if world_size < 1:
         raise GraphfuseError(f"world_size must be >= 1, got {world_size}")
-    own = aligned_blocks(params, blocks)
+    own = blocks or {}
     open_: dict[tuple, list[tuple[ParamInfo, int]]] = {}  # key -> [(param, padded)]
     closed: list[tuple[int, tuple, list[tuple[ParamInfo, int]]]] = []  # (ready position, key, members)
 

@@ -64,7 +64,7 @@ class Strategy:
     # "h.3") buckets of its own, split by bucket_size_mb where larger: identical blocks then lie
     # at identical bucket offsets and inductor compiles their kernels once instead of once per
     # block (graphfuse/layout.py). More buckets (one or more per block). "auto": only blocks
-    # that repeat and hold at least 1 MiB (layout.aligned_blocks). Off: on one H200 it did not
+    # that repeat and hold at least 1 MiB (graphfuse/blocks.py). Off: on one H200 it did not
     # shorten the start and made the step 6% slower; it pays when compiling on few CPU cores
     # (docs/benchmarks.md).
     align_buckets_to_blocks: bool | Literal["auto"] = False

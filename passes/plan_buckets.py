@@ -4,6 +4,7 @@ the captured program and attach the `BucketLayout` (graphfuse.layout does the ar
 from __future__ import annotations
 
 from graphfuse import signature as sig
+from graphfuse.blocks import aligned_blocks
 from graphfuse.layout import ParamInfo
 from graphfuse.layout import plan_buckets as plan
 from graphfuse.program import Program
@@ -43,7 +44,7 @@ def run(program: Program) -> Program:
         grad_pos[fqn] = (ready_position(order, node), order[node])
     params.sort(key=lambda p: grad_pos[p.fqn])
     s = program.strategy
-    layout = plan(params, program.world_size, s.align_bytes, s.bucket_bytes, blocks=s.align_buckets_to_blocks)
+    layout = plan(params, program.world_size, s.align_bytes, s.bucket_bytes, blocks=aligned_blocks(params, s.align_buckets_to_blocks))
     return program.with_(layout=layout)
 
 

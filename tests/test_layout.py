@@ -12,18 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphfuse as gf
+from graphfuse.blocks import MIN_ALIGNED_BLOCK_BYTES, aligned_blocks, block_of
 from graphfuse.errors import GraphfuseError, UnsupportedError
-from graphfuse.layout import (
-    MIN_ALIGNED_BLOCK_BYTES,
-    Box,
-    BucketLayout,
-    ParamInfo,
-    aligned_blocks,
-    block_of,
-    flat_boxes,
-    itemsize,
-    plan_buckets,
-)
+from graphfuse.layout import Box, BucketLayout, ParamInfo, flat_boxes, itemsize, plan_buckets
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 
@@ -305,7 +296,7 @@ block_params_st = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(block_params_st, worlds, aligns, caps)
 def test_blocks_keep_every_invariant_and_a_bucket_holds_one_block_or_none(params, world, align, cap):
-    layout = plan_buckets(params, world, align, cap, blocks=True)
+    layout = plan_buckets(params, world, align, cap, blocks=aligned_blocks(params, True))
     assert sorted(layout.fqns) == sorted(p.fqn for p in params)
     for bucket in layout.buckets:
         assert len(bucket.slots) == 1 or bucket.nbytes <= cap  # the cap holds as without blocks
@@ -331,7 +322,7 @@ def test_blocks_give_identical_blocks_identical_bucket_offsets_also_when_split_b
         return tuple((s.shape, s.offset, s.numel, s.padded) for s in bucket.slots), bucket.size
 
     for cap in (1 << 30, 70_000):  # all blocks fit; a block (about 150 KB) is split
-        layout = plan_buckets(_gpt_like(4), 2, 256, cap, blocks=True)
+        layout = plan_buckets(_gpt_like(4), 2, 256, cap, blocks=aligned_blocks(_gpt_like(4), True))
         per_block = {}
         for bucket in layout.buckets:
             blocks = {block_of(f) for f in bucket.fqns}
@@ -360,14 +351,14 @@ def test_auto_aligns_repeated_blocks_of_a_mebibyte_or_more_and_packs_the_rest():
     small = [ParamInfo(f"h.{b}.w", (64, 64), "float32", "cpu", 0) for b in reversed(range(3))]  # 16 KiB each
     head = [ParamInfo("head.w", (512, 512), "float32", "cpu", 0)]
     assert MIN_ALIGNED_BLOCK_BYTES == 512 * 512 * 4
-    assert aligned_blocks(head + wide, "auto") == {"h.0", "h.1", "h.2"}
-    layout = plan_buckets(head + wide, 1, 256, 1 << 30, blocks="auto")
+    assert aligned_blocks(head + wide, "auto") == {f"h.{b}.w": f"h.{b}" for b in range(3)}
+    layout = plan_buckets(head + wide, 1, 256, 1 << 30, blocks=aligned_blocks(head + wide, "auto"))
     assert _blocks_of(layout) == [{None}, {"h.2"}, {"h.1"}, {"h.0"}]
     # Blocks under a mebibyte share buckets as without blocks (True would split them anyway).
-    assert aligned_blocks(small, "auto") == set()
-    assert len(plan_buckets(head + small, 1, 256, 1 << 30, blocks="auto").buckets) == 1
-    assert len(plan_buckets(head + small, 1, 256, 1 << 30, blocks=True).buckets) == 4
-    assert aligned_blocks(head + wide, False) == set()
+    assert aligned_blocks(head + small, "auto") == {}
+    assert len(plan_buckets(head + small, 1, 256, 1 << 30, blocks=aligned_blocks(head + small, "auto")).buckets) == 1
+    assert len(plan_buckets(head + small, 1, 256, 1 << 30, blocks=aligned_blocks(head + small, True)).buckets) == 4
+    assert aligned_blocks(head + wide, False) == {}
 
 
 def test_auto_leaves_a_block_that_does_not_repeat_to_share_a_bucket():
@@ -375,11 +366,12 @@ def test_auto_leaves_a_block_that_does_not_repeat_to_share_a_bucket():
     # three repeat, so only they can share kernels; the odd one packs with the head.
     params = [ParamInfo("head.w", (512, 512), "float32", "cpu", 0), ParamInfo("h.3.w", (512, 1024), "float32", "cpu", 0)]
     params += [ParamInfo(f"h.{b}.w", (512, 512), "float32", "cpu", 0) for b in reversed(range(3))]
-    assert aligned_blocks(params, "auto") == {"h.0", "h.1", "h.2"}
-    assert _blocks_of(plan_buckets(params, 1, 256, 1 << 30, blocks="auto")) == [{None, "h.3"}, {"h.2"}, {"h.1"}, {"h.0"}]
+    assert set(aligned_blocks(params, "auto").values()) == {"h.0", "h.1", "h.2"}
+    layout = plan_buckets(params, 1, 256, 1 << 30, blocks=aligned_blocks(params, "auto"))
+    assert _blocks_of(layout) == [{None, "h.3"}, {"h.2"}, {"h.1"}, {"h.0"}]
     # Same shapes in another dtype or param group are not the same block.
     regrouped = [*params[:2], ParamInfo("h.2.w", (512, 512), "float32", "cpu", 1), *params[3:]]
-    assert aligned_blocks(regrouped, "auto") == {"h.0", "h.1"}
+    assert set(aligned_blocks(regrouped, "auto").values()) == {"h.0", "h.1"}
 
 
 def test_align_rule_must_be_true_false_or_auto():

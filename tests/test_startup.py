@@ -145,3 +145,21 @@ def test_aligned_blocks_train_bitwise_like_the_default_layout():
     assert len(aligned.layout.buckets) > len(plain.layout.buckets)  # a bucket (or more) per block
     assert torch.equal(aligned_losses, plain_losses)
     assert all(torch.equal(aligned_params[n], p) for n, p in plain_params.items())
+
+
+def test_auto_gives_buckets_of_their_own_to_the_repeated_blocks_of_a_mebibyte_or_more():
+    from graphfuse.blocks import block_of
+    from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+
+    # 256 wide: each block holds 12 × 256² floats (3 MiB), the blocks repeat; the embeddings do not.
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=3, n_head=2, n_embd=256)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    batch = synthetic_tokens(cfg, 2, 1, seed=0)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dm = gf.compile(model, opt, gpt_loss, batch, strategy=gf.Strategy(align_buckets_to_blocks="auto"))
+    blocks = [{block_of(f) for f in b.fqns} for b in dm.layout.buckets]
+    assert sorted(b for s in blocks for b in s if b is not None) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all(len(s) == 1 for s in blocks), blocks  # no bucket mixes blocks, or a block and the rest
+    assert dm.program.strategy.align_buckets_to_blocks == "auto"
+    assert torch.isfinite(dm(batch))
