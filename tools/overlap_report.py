@@ -5,6 +5,7 @@ the same model applied to a DDP + ZeroRedundancyOptimizer schedule and an FSDP2-
     python tools/overlap_report.py --device cpu --preset tiny            # a small GPT, both gather modes
     python tools/overlap_report.py --device cuda --preset gpt2 --executor inductor --json out.json
     python tools/overlap_report.py --program prog_dir --device cpu        # a saved program
+    python tools/overlap_report.py --replay out.json --busbw all_gather=360  # predict again from a report
 
 How it measures. The step runs on the local device under a fake process group of the traced
 world size (torch's "fake" backend: collectives return at once), so the time measured is pure
@@ -23,7 +24,9 @@ output) at N GPUs takes latency + S·(N−1)/N / busbw (all-gather, reduce-scatt
 latency + 2·S·(N−1)/N / busbw (all-reduce): NCCL-tests' definition of bus bandwidth. Collectives
 run one at a time in issue order on one communication stream; a wait stalls compute until its
 collective ends. Exposed communication = the sum of stalls; predicted step = compute + exposed.
-The update's compute (after the backward) is scaled by traced_world/N, as it runs on a 1/N shard.
+The update's compute (after the last reduce-scatter issue) is scaled by traced_world/N, as it
+runs on a 1/N shard; the spans that follow an all-gather's issue or wait (issuing it, copying
+the gathered buckets into the parameters: N-independent) are not.
 
 Bus bandwidth defaults (GB/s, `--busbw`), for one 8-GPU NVLink/NVSwitch host (H100/H200 SXM;
 both have NVLink 4 at 450 GB/s per direction per GPU):
@@ -45,6 +48,7 @@ import re
 import statistics
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -298,14 +302,26 @@ def per_bucket(m: Measured, ns: list[int], busbw, latency_s) -> list[dict]:
 
 
 def at_world(events, program, n: int) -> tuple[list, float]:
-    """The timeline with the update's compute (after the last backward mark and the last
-    reduce-scatter issue) scaled from the traced world size to `n`."""
-    info = collectives_of(program)
-    rs = [t for k, name, t in events if k == "issue" and info[name].op == "reduce_scatter"]
-    start = max(rs, default=0.0)
-    scale = program.world_size / n
-    moved = [(k, name, t if t <= start else start + (t - start) * scale) for k, name, t in events]
+    """The timeline with the update's compute scaled from the traced world size to `n`."""
+    ops = {name: c.op for name, c in collectives_of(program).items()}
+    moved = scale_update(events, ops, program.world_size, n)
     return moved, moved[-1][2]
+
+
+def scale_update(events, ops: dict[str, str], traced: int, n: int) -> list:
+    """`events` with the update's compute scaled by traced/N, as it runs on a 1/N shard. The
+    update is what runs after the last reduce-scatter issue, except what follows an all-gather's
+    issue or wait: issuing it (host work, N-independent) and copying the gathered buckets into
+    the parameters (whole buckets at any N). Those spans keep their length and only move."""
+    start = max((t for k, name, t in events if k == "issue" and ops[name] == "reduce_scatter"), default=0.0)
+    scale, shift, out = traced / n, 0.0, []
+    for i, (k, name, t) in enumerate(events):
+        if i and t > start:
+            pk, pname, pt = events[i - 1]
+            if ops.get(pname) != "all_gather":
+                shift += (t - max(pt, start)) * (scale - 1)
+        out.append((k, name, t + shift))
+    return out
 
 
 @dataclass
@@ -318,6 +334,28 @@ class Measured:
 
     def at(self, n: int) -> list:
         return at_world(self.events, self.program, n)[0]
+
+
+@dataclass
+class SavedProgram:
+    """What the predictions read of a program (its traced world size, its buckets' names and
+    bytes in gradient order), rebuilt from a saved report for --replay."""
+
+    world_size: int
+    layout: SimpleNamespace
+
+
+def measured_from_report(saved: dict) -> dict[str, Measured]:
+    """The measured modes of a report written with --json, for predictions under another model
+    (--replay): the schedule as measured, the collectives and buckets as the report lists them."""
+    out = {}
+    for mode, r in saved["modes"].items():
+        program = SavedProgram(saved["traced_world"], SimpleNamespace(buckets=[SimpleNamespace(name=b["bucket"], nbytes=b["bytes"]) for b in r["buckets"]]))
+        _COLLECTIVES[id(program)] = {c["node"]: Collective(c["node"], c["op"], b["bucket"], c["bytes"]) for b in r["buckets"] for c in b["collectives"]}
+        positions = {(k, c["node"]): c[f"{k}_position"] for b in r["buckets"] for c in b["collectives"] for k in ("issue", "wait")}
+        events = [(e["kind"], e["node"], e["ms"] / 1e3) for e in r["schedule"]]
+        out[mode] = Measured(program, events, positions, r["schedule_length"], r.get("timing_marks"))
+    return out
 
 
 def graphfuse_collectives(m: Measured, n: int, busbw, latency_s) -> list[dict]:
@@ -494,11 +532,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--latency-us", type=float, default=LATENCY_US)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="also write the report here")
+    ap.add_argument("--replay", help="a report written with --json: predict again from its measured schedules "
+                    "(other --busbw, --latency-us or --ns, or a changed model) without tracing or running anything")
     ap.add_argument("--code-dir", help="write the code the schedule was read from here, one file per mode")
     args = ap.parse_args(argv)
     torch.set_flush_denormal(True)  # random weights must not run into slow denormal arithmetic
     busbw = {**BUSBW_GBPS, **{k: float(v) for k, v in (kv.split("=") for kv in args.busbw.split(",") if kv)}}
     ns = [int(n) for n in args.ns.split(",")]
+    if args.replay:
+        with open(args.replay) as f:
+            saved = json.load(f)
+        measured = measured_from_report(saved)
+        out = {**{k: saved[k] for k in ("device", "executor", "traced_world")}, "config": vars(args), "ns": [str(n) for n in ns],
+               "busbw_GBps": busbw, "latency_us": args.latency_us, **report(measured, ns, busbw, args.latency_us * 1e-6)}
+        return finish(out, args)
     if args.program:
         import graphfuse as gf
         from graphfuse.execute import rebind_group
@@ -518,6 +565,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"device": args.device, "executor": args.executor, "traced_world": next(iter(programs.values())).world_size,
            "config": vars(args), "ns": [str(n) for n in ns], "busbw_GBps": busbw, "latency_us": args.latency_us,
            **report(measured, ns, busbw, args.latency_us * 1e-6)}
+    return finish(out, args)
+
+
+def finish(out: dict, args) -> dict:
     print_report(out)
     if args.json:
         with open(args.json, "w") as f:
