@@ -268,9 +268,10 @@ def plan_buckets(
     would pass `bucket_bytes` (a parameter larger than that gets a bucket of its own). Buckets are ordered by the
     moment their last gradient is produced, so the first bucket is the first one ready.
 
-    With `blocks` (FQN -> its aligned block, from graphfuse.blocks.aligned_blocks), a bucket also
-    closes where an aligned block begins or ends: each such block has buckets of its own (more than one where it passes the cap, split at the
-    same places in identical blocks), so identical blocks lie at identical bucket offsets and
+    With `blocks` (FQN -> its aligned block, from graphfuse.blocks.aligned_blocks), a bucket
+    also closes where an aligned block begins or ends: each such block has buckets of its own
+    (more than one where it passes the cap, split at the same places in identical blocks), so
+    identical blocks lie at identical bucket offsets and
     inductor compiles one kernel for all of them; at other offsets each block's kernels differ
     (the offsets are constants in their code) and are compiled once per block.
     """
