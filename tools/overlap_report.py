@@ -536,7 +536,6 @@ def main(argv: list[str] | None = None) -> dict:
                     "(other --busbw, --latency-us or --ns, or a changed model) without tracing or running anything")
     ap.add_argument("--code-dir", help="write the code the schedule was read from here, one file per mode")
     args = ap.parse_args(argv)
-    torch.set_flush_denormal(True)  # random weights must not run into slow denormal arithmetic
     busbw = {**BUSBW_GBPS, **{k: float(v) for k, v in (kv.split("=") for kv in args.busbw.split(",") if kv)}}
     ns = [int(n) for n in args.ns.split(",")]
     if args.replay:
@@ -546,6 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
         out = {**{k: saved[k] for k in ("device", "executor", "traced_world")}, "config": vars(args), "ns": [str(n) for n in ns],
                "busbw_GBps": busbw, "latency_us": args.latency_us, **report(measured, ns, busbw, args.latency_us * 1e-6)}
         return finish(out, args)
+    torch.set_flush_denormal(True)  # random weights must not run into slow denormal arithmetic
     if args.program:
         import graphfuse as gf
         from graphfuse.execute import rebind_group
