@@ -100,6 +100,8 @@ def collectives_of(program) -> dict[str, Collective]:
     """Every collective of the program by FX node name, with its bucket and bytes. Buckets: a
     deferred all-gather reads its bucket's placeholder; the other passes create one
     reduce-scatter and one all-gather per bucket in layout order."""
+    if isinstance(program, SavedProgram):
+        return program.collectives
     if id(program) not in _COLLECTIVES:
         _COLLECTIVES[id(program)] = _collectives_of(program)
     return _COLLECTIVES[id(program)]
@@ -343,6 +345,7 @@ class SavedProgram:
 
     world_size: int
     layout: SimpleNamespace
+    collectives: dict  # FX node name -> Collective, as collectives_of gives them
 
 
 def measured_from_report(saved: dict) -> dict[str, Measured]:
@@ -350,8 +353,9 @@ def measured_from_report(saved: dict) -> dict[str, Measured]:
     (--replay): the schedule as measured, the collectives and buckets as the report lists them."""
     out = {}
     for mode, r in saved["modes"].items():
-        program = SavedProgram(saved["traced_world"], SimpleNamespace(buckets=[SimpleNamespace(name=b["bucket"], nbytes=b["bytes"]) for b in r["buckets"]]))
-        _COLLECTIVES[id(program)] = {c["node"]: Collective(c["node"], c["op"], b["bucket"], c["bytes"]) for b in r["buckets"] for c in b["collectives"]}
+        buckets = SimpleNamespace(buckets=[SimpleNamespace(name=b["bucket"], nbytes=b["bytes"]) for b in r["buckets"]])
+        collectives = {c["node"]: Collective(c["node"], c["op"], b["bucket"], c["bytes"]) for b in r["buckets"] for c in b["collectives"]}
+        program = SavedProgram(saved["traced_world"], buckets, collectives)
         positions = {(k, c["node"]): c[f"{k}_position"] for b in r["buckets"] for c in b["collectives"] for k in ("issue", "wait")}
         events = [(e["kind"], e["node"], e["ms"] / 1e3) for e in r["schedule"]]
         out[mode] = Measured(program, events, positions, r["schedule_length"], r.get("timing_marks"))
