@@ -271,9 +271,9 @@ def plan_buckets(
     With `blocks` (FQN -> its aligned block, from graphfuse.blocks.aligned_blocks), a bucket
     also closes where an aligned block begins or ends: each such block has buckets of its own
     (more than one where it passes the cap, split at the same places in identical blocks), so
-    identical blocks lie at identical bucket offsets and
-    inductor compiles one kernel for all of them; at other offsets each block's kernels differ
-    (the offsets are constants in their code) and are compiled once per block.
+    identical blocks lie at identical bucket offsets and inductor compiles one kernel for all of
+    them; at other offsets each block's kernels differ (the offsets are constants in their code)
+    and are compiled once per block.
     """
     if world_size < 1:
         raise GraphfuseError(f"world_size must be >= 1, got {world_size}")

@@ -40,6 +40,13 @@ def setup(args):
     return model, opt, batch
 
 
+def add_model_flags(ap: argparse.ArgumentParser) -> None:
+    """--device and the GPT's shape, as `setup` reads them."""
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    for flag, default in (("layers", 2), ("embd", 64), ("heads", 4), ("block", 32), ("vocab", 256), ("batch", 2)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -123,9 +130,7 @@ def child_argv(argv: list[str]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    for flag, default in (("layers", 2), ("embd", 64), ("heads", 4), ("block", 32), ("vocab", 256), ("batch", 2)):
-        ap.add_argument(f"--{flag}", type=int, default=default)
+    add_model_flags(ap)
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="Strategy.bucket_size_mb (its default: 256)")
     ap.add_argument("--align-blocks", nargs="?", choices=["true", "false", "auto"], const="true", default=None,
                     help="Strategy.align_buckets_to_blocks (the flag alone: true; absent: the Strategy default)")

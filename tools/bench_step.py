@@ -1,8 +1,8 @@
 """Training-step time of graphfuse (fused ZeRO-1; with `graphfuse_deferred`, the parameter
 all-gather deferred to the next step; with `graphfuse_cudagraphs`, the compiled step replayed from
 a CUDA graph; with `graphfuse_aligned` / `graphfuse_unaligned`, Strategy.align_buckets_to_blocks
-True / False instead of its default) against eager DDP + ZeroRedundancyOptimizer, FSDP2 (fully_shard) and, at one rank,
-torch.compile + fused AdamW (`torch_compile_cudagraphs`: mode="reduce-overhead", its CUDA graphs
+True / False instead of its default) against eager DDP + ZeroRedundancyOptimizer, FSDP2
+(fully_shard) and, at one rank, torch.compile + fused AdamW (`torch_compile_cudagraphs`: mode="reduce-overhead", its CUDA graphs
 around forward and backward), on the same GPT and batch: median step time, peak CUDA memory, setup
 + first step seconds (for the CUDA-graph methods, + the second step, which captures), and the
 collectives each issues per step. The methods share one process and one inductor cache, so a

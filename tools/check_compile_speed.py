@@ -19,23 +19,20 @@ import tempfile
 import time
 
 import torch
+from bench_startup import add_model_flags, setup  # the same GPT, optimizer and batch as the start-up bench
 
 
 def one(args) -> dict:
     """One compile in this process, with COMPILE_SPEED as graphfuse has it or emptied."""
     import graphfuse as gf
     import graphfuse.inductor as inductor
-    from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+    from graphfuse.models import gpt_loss
 
     if args.variant == "default":
         inductor.COMPILE_SPEED = {}
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(args.device)
-    batch = tuple(x.to(args.device) for x in synthetic_tokens(cfg, args.batch, 1, seed=0)[0])
+    model, opt, batch = setup(args)
     t = time.perf_counter()
-    dm = gf.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), gpt_loss, batch, gf.Strategy(compile="inductor"))
+    dm = gf.compile(model, opt, gpt_loss, batch, gf.Strategy(compile="inductor"))
     dm(batch)
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -52,9 +49,7 @@ def one(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    for flag, default in (("layers", 2), ("embd", 64), ("heads", 4), ("block", 32), ("vocab", 256), ("batch", 2)):
-        ap.add_argument(f"--{flag}", type=int, default=default)
+    add_model_flags(ap)
     ap.add_argument("--variant", choices=["default", "graphfuse"], help="(internal) one compile in this process")
     args = ap.parse_args()
     if args.variant:

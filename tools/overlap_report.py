@@ -303,13 +303,6 @@ def per_bucket(m: Measured, ns: list[int], busbw, latency_s) -> list[dict]:
     return out
 
 
-def at_world(events, program, n: int) -> tuple[list, float]:
-    """The timeline with the update's compute scaled from the traced world size to `n`."""
-    ops = {name: c.op for name, c in collectives_of(program).items()}
-    moved = scale_update(events, ops, program.world_size, n)
-    return moved, moved[-1][2]
-
-
 def scale_update(events, ops: dict[str, str], traced: int, n: int) -> list:
     """`events` with the update's compute scaled by traced/N, as it runs on a 1/N shard. The
     update is what runs after the last reduce-scatter issue, except what follows an all-gather's
@@ -335,7 +328,9 @@ class Measured:
     marks: dict | None = None  # the timing marks' cost taken off `events` (see `without_mark_cost`)
 
     def at(self, n: int) -> list:
-        return at_world(self.events, self.program, n)[0]
+        """The timeline with the update's compute scaled from the traced world size to `n`."""
+        ops = {name: c.op for name, c in collectives_of(self.program).items()}
+        return scale_update(self.events, ops, self.program.world_size, n)
 
 
 @dataclass
