@@ -7,8 +7,8 @@ once may be launched many times), the calls of extern kernels (`extern_kernels.m
 of ATen ops run as they are (`torch.ops.aten....`), and the launches grouped by kernel family
 (the kernel's name without its index: `triton_poi_fused_cat_view_86` -> `triton_poi_fused_cat_view`).
 
-    TORCHINDUCTOR_CACHE_DIR=/tmp/ic python tools/bench_startup.py --device cuda ... --starts fresh
-    python tools/kernel_launches.py /tmp/ic [--top 20] [--json]
+    python tools/bench_startup.py --device cuda ... --starts fresh torch_compile --cache-dir /tmp/ic
+    python tools/kernel_launches.py /tmp/ic /tmp/ic-torch-compile [--top 20] [--json]
 """
 
 from __future__ import annotations
