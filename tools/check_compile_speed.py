@@ -8,7 +8,6 @@ cache, and print the scheduler's time and whether the generated code is the same
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import os
@@ -17,9 +16,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from bench_startup import add_model_flags, setup  # the same GPT, optimizer and batch as the start-up bench
+from kernel_launches import output_modules
 
 
 def one(args) -> dict:
@@ -38,11 +39,8 @@ def one(args) -> dict:
         torch.cuda.synchronize()
     from torch._dynamo.utils import compilation_time_metrics as m
 
-    code = ""
-    for path in glob.glob(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "**", "*.py"), recursive=True):
-        text = open(path).read()
-        if "def call(" in text:
-            code = re.sub(r"#.*", "", text)  # comments name source nodes and cache paths
+    modules = output_modules(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+    code = re.sub(r"#.*", "", modules[-1].read_text()) if modules else ""  # comments name source nodes and cache paths
     return {"variant": args.variant, "total_s": time.perf_counter() - t, "scheduler_s": sum(m.get("Scheduler.__init__", [0.0])),
             "code_sha1": hashlib.sha1(code.encode()).hexdigest() if code else None}
 

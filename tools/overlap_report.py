@@ -540,10 +540,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.replay:
         with open(args.replay) as f:
             saved = json.load(f)
-        measured = measured_from_report(saved)
-        out = {**{k: saved[k] for k in ("device", "executor", "traced_world")}, "config": vars(args), "ns": [str(n) for n in ns],
-               "busbw_GBps": busbw, "latency_us": args.latency_us, **report(measured, ns, busbw, args.latency_us * 1e-6)}
-        return finish(out, args)
+        return finish({k: saved[k] for k in ("device", "executor", "traced_world")}, measured_from_report(saved), args, ns, busbw)
     torch.set_flush_denormal(True)  # random weights must not run into slow denormal arithmetic
     if args.program:
         import graphfuse as gf
@@ -561,13 +558,14 @@ def main(argv: list[str] | None = None) -> dict:
             os.makedirs(args.code_dir, exist_ok=True)
             with open(os.path.join(args.code_dir, f"{mode}.py"), "w") as f:
                 f.write(code)
-    out = {"device": args.device, "executor": args.executor, "traced_world": next(iter(programs.values())).world_size,
-           "config": vars(args), "ns": [str(n) for n in ns], "busbw_GBps": busbw, "latency_us": args.latency_us,
+    header = {"device": args.device, "executor": args.executor, "traced_world": next(iter(programs.values())).world_size}
+    return finish(header, measured, args, ns, busbw)
+
+
+def finish(header: dict, measured: dict[str, Measured], args, ns: list[int], busbw: dict) -> dict:
+    """The report of `measured` under the model's settings: printed, written to --json, returned."""
+    out = {**header, "config": vars(args), "ns": [str(n) for n in ns], "busbw_GBps": busbw, "latency_us": args.latency_us,
            **report(measured, ns, busbw, args.latency_us * 1e-6)}
-    return finish(out, args)
-
-
-def finish(out: dict, args) -> dict:
     print_report(out)
     if args.json:
         with open(args.json, "w") as f:
