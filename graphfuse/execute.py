@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from graphfuse import optim as gopt
 from graphfuse import signature as sig
+from graphfuse.compile_workers import Workers, compile_pieces
 from graphfuse.inductor import compile_graph
 from graphfuse.param_state import destination
 from graphfuse.passes.graph import is_collective
@@ -133,10 +134,9 @@ def run_step(
     return outs
 
 
-def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Callable:
-    """Compile the program with inductor after appending `copy_` of every output into the input
-    it replaces, so inductor writes new buckets and shards straight into their storage (one
-    read and one write per element) instead of returning new tensors the runtime must copy."""
+def in_place_graph(program: Program) -> torch.fx.GraphModule:
+    """The program's graph with a `copy_` of every output into the input it replaces appended,
+    returning only the outputs that replace nothing (the loss)."""
     graph = copy.deepcopy(program.graph)
     # A traced graph names its tracer class, a loaded one none; AOTAutograd's cache key hashes
     # the module's attributes, so without this a restart missed the entry a fresh start saved.
@@ -156,6 +156,18 @@ def compile_in_place(program: Program, example_inputs: list[torch.Tensor]) -> Ca
                 graph.call_function(torch.ops.aten.copy_.default, (inputs[spec.target], node))
     out.args = (tuple(r for s, r in zip(program.signature.outputs, results) if s.target is None),)
     gm.recompile()
+    return gm
+
+
+def compile_in_place(program: Program, example_inputs: list[torch.Tensor], workers: Workers | None = None) -> Callable:
+    """Compile the program with inductor after appending `copy_` of every output into the input
+    it replaces (in_place_graph), so inductor writes new buckets and shards straight into their
+    storage (one read and one write per element) instead of returning new tensors the runtime
+    must copy. With `workers` (Strategy.compile_workers), the step is cut into one piece per
+    process, this one and the workers, compiled at once (graphfuse/compile_workers.py)."""
+    gm = in_place_graph(program)
+    if workers is not None:
+        return compile_pieces(program, gm, example_inputs, workers)
     compiled = compile_graph(gm, example_inputs)
 
     def run(*args):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from graphfuse import cuda_graph
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
+from graphfuse.compile_workers import Workers
 from graphfuse.errors import UnsupportedError
 from graphfuse.execute import arguments, backend_of, bind_tensors, compile_in_place, group_info, rebind_group, run_step
 from graphfuse.guards import ProgramCache, Snapshot, agree_to_start, batch_change, check_batch
@@ -110,6 +111,7 @@ class DistModel:
         self.cuda_graphs = cuda_graph.start(self.strategy, self.model, self.world_size, backend_of(self.group, "cuda"))
         if self.strategy.compile == "inductor":
             warm_workers()
+        self._workers = Workers(self.strategy.compile_workers) if self.strategy.compile_workers else None
 
     def _start(self, program: Program, key: tuple) -> None:
         with self.startup.time("bind"):
@@ -182,8 +184,11 @@ class DistModel:
         key, leaves = flatten_batch(batch)
         program, fn = self._program_for(batch, key)
         if fn is None:
+            workers, self._workers = self._workers, None  # started with the DistModel: for the first compile
             with self.startup.time("inductor"):
-                fn = compile_in_place(program, arguments(program, self.tensors, leaves))
+                if workers is None and self.strategy.compile_workers:
+                    workers = Workers(self.strategy.compile_workers)
+                fn = compile_in_place(program, arguments(program, self.tensors, leaves), workers)
             if self.cuda_graphs:  # run un-captured now, captured at this batch key's next step
                 fn = self.cuda_graphs.wrap(fn, program)
             self._programs[key] = (program, fn)

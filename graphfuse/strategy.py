@@ -68,6 +68,11 @@ class Strategy:
     # shorten the start and made the step 6% slower; it pays when compiling on few CPU cores
     # (docs/benchmarks.md).
     align_buckets_to_blocks: bool | Literal["auto"] = False
+    # Processes besides this one that compile the step with inductor at the first step: the
+    # step is cut into compile_workers + 1 pieces (graphfuse/pieces.py), compiled at once and
+    # handed over through inductor's on-disk caches (graphfuse/compile_workers.py). 0: one
+    # graph, compiled here. Needs compile="inductor".
+    compile_workers: int = 0
 
     def __post_init__(self) -> None:
         if not self.bucket_size_mb > 0:
@@ -113,6 +118,14 @@ class Strategy:
             raise UnsupportedError(
                 f"Strategy.cuda_graphs=True replays the inductor-compiled step, but compile={self.compile!r}; "
                 "set compile='inductor', or cuda_graphs=False"
+            )
+        w = self.compile_workers
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise UnsupportedError(f"Strategy.compile_workers must be an int >= 0, got {w!r}")
+        if w and self.compile != "inductor":
+            raise UnsupportedError(
+                f"Strategy.compile_workers={w} compiles the step with inductor in several processes, but "
+                f"compile={self.compile!r}; set compile='inductor', or compile_workers=0"
             )
         if not isinstance(self.program_cache_size, int) or self.program_cache_size < 1:
             raise UnsupportedError(f"Strategy.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")

@@ -17,6 +17,7 @@ import argparse
 import cProfile
 import io
 import json
+import logging
 import os
 import pstats
 import subprocess
@@ -97,7 +98,7 @@ def strategy(args):
     import graphfuse as gf
 
     align = {} if args.align_blocks is None else {"align_buckets_to_blocks": {"true": True, "false": False}.get(args.align_blocks, "auto")}
-    return gf.Strategy(compile="inductor", bucket_size_mb=args.bucket_mb, **align)
+    return gf.Strategy(compile="inductor", bucket_size_mb=args.bucket_mb, compile_workers=args.compile_workers, **align)
 
 
 # torch's compile phases that do not contain one another, printed per start (all are in the JSON).
@@ -134,6 +135,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="Strategy.bucket_size_mb (its default: 256)")
     ap.add_argument("--align-blocks", nargs="?", choices=["true", "false", "auto"], const="true", default=None,
                     help="Strategy.align_buckets_to_blocks (the flag alone: true; absent: the Strategy default)")
+    ap.add_argument("--compile-workers", type=int, default=0, help="Strategy.compile_workers (processes besides the main one)")
     ap.add_argument("--start", choices=["all", "fresh", "restart", "torch_compile"], default="all")
     ap.add_argument("--starts", nargs="+", choices=["fresh", "restart", "torch_compile"], default=["fresh", "restart", "torch_compile"], help="which starts to run (restart needs fresh)")
     ap.add_argument("--program", help="program file (internal)")
@@ -143,6 +145,8 @@ def main() -> None:
     if args.start in ("fresh", "restart") and not args.program:
         ap.error(f"--start {args.start} needs --program PATH: the program file the fresh start writes and a restart reads")
     if args.start != "all":
+        logging.basicConfig(format="%(message)s")  # graphfuse's start-up log, shown by the parent
+        logging.getLogger("graphfuse").setLevel(logging.INFO)
         print(json.dumps(profiled(args)))
         return
     work = tempfile.mkdtemp(prefix="graphfuse-startup-")
@@ -156,13 +160,16 @@ def main() -> None:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache + ("-torch-compile" if start == "torch_compile" else "")}
         argv = child_argv(sys.argv[1:])
         cmd = [sys.executable, __file__, *argv, f"--start={start}", f"--program={os.path.join(work, 'program')}"]
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
+        done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows[-1]["log"] = [line for line in done.stderr.splitlines() if line.startswith("graphfuse")]
     for r in rows:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
         print(f"{r['start']:14} {r['total_s']:7.2f} s   {phases}")
         leaves = ", ".join(f"{k} {r['inductor_s'][k]:.2f}" for k in LEAF_PHASES if k in r["inductor_s"])
         print(f"{'':14} of which in torch: {leaves}")
+        for line in r.get("log", []):
+            print(f"{'':14} {line}")
     print(json.dumps({"bench": "startup", "device": args.device, "torch": torch.__version__, "config": vars(args), "rows": rows}))
 
 

@@ -1,7 +1,8 @@
 """Training-step time of graphfuse (fused ZeRO-1; with `graphfuse_deferred`, the parameter
 all-gather deferred to the next step; with `graphfuse_cudagraphs`, the compiled step replayed from
 a CUDA graph; with `graphfuse_aligned` / `graphfuse_unaligned`, Strategy.align_buckets_to_blocks
-True / False instead of its default) against eager DDP + ZeroRedundancyOptimizer, FSDP2
+True / False instead of its default; with `graphfuse_workers`, the step compiled in
+--compile-workers + 1 pieces by as many processes, Strategy.compile_workers) against eager DDP + ZeroRedundancyOptimizer, FSDP2
 (fully_shard) and, at one rank, torch.compile + fused AdamW (`torch_compile_cudagraphs`: mode="reduce-overhead", its CUDA graphs
 around forward and backward), on the same GPT and batch: median step time, peak CUDA memory, setup
 + first step seconds (for the CUDA-graph methods, + the second step, which captures), and the
@@ -33,7 +34,7 @@ import graphfuse as gf
 from graphfuse.launch import run_ranks
 from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
-METHODS = ["graphfuse", "graphfuse_deferred", "graphfuse_cudagraphs", "graphfuse_aligned", "graphfuse_unaligned", "ddp_zero", "fsdp2", "torch_compile", "torch_compile_cudagraphs"]
+METHODS = ["graphfuse", "graphfuse_workers", "graphfuse_deferred", "graphfuse_cudagraphs", "graphfuse_aligned", "graphfuse_unaligned", "ddp_zero", "fsdp2", "torch_compile", "torch_compile_cudagraphs"]
 CAPTURED_AT_SECOND_STEP = ("graphfuse_cudagraphs", "torch_compile_cudagraphs")
 
 
@@ -121,6 +122,7 @@ def build(method: str, base, device, args, batch0):
         align = {"graphfuse_aligned": {"align_buckets_to_blocks": True}, "graphfuse_unaligned": {"align_buckets_to_blocks": False}}
         strategy = gf.Strategy(bucket_size_mb=args.bucket_mb, compile=args.compile, master_dtype=torch.float32 if master else None,
                                overlap_param_gather=method == "graphfuse_deferred", cuda_graphs=method == "graphfuse_cudagraphs",
+                               compile_workers=args.compile_workers if method == "graphfuse_workers" else 0,
                                **align.get(method, {}))
         dm = gf.compile(model, adamw(model.parameters(), device), loss_fn, batch0, strategy)
         counts = count_targets(dm.program)
@@ -199,6 +201,7 @@ def main() -> None:
     ap.add_argument("--embd", type=int, default=128)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--compile", choices=["eager", "inductor"], default="eager", help="how graphfuse runs its program")
+    ap.add_argument("--compile-workers", type=int, default=3, help="Strategy.compile_workers of method graphfuse_workers")
     ap.add_argument("--precision", choices=["fp32", "amp", "bf16master"], default="fp32",
                     help="fp32 (TF32 matmuls), amp (bf16 autocast forward), bf16master (bf16 parameters, fp32 master weights)")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=["graphfuse", "ddp_zero", "fsdp2"])

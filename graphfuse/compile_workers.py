@@ -1,0 +1,322 @@
+"""Compile a step cut into pieces (graphfuse/pieces.py) in several processes at once
+(Strategy.compile_workers), through inductor's on-disk caches.
+
+The worker processes start with the DistModel (`Workers.start`), so their imports overlap the
+capture. At the first step this process writes a job into their directory: the program file,
+the inputs' shapes, strides and dtypes, and inductor's and torch's compile settings. Every
+process (this one first, the workers from the last piece down) claims pieces one at a time with
+an exclusive file create and compiles them with `compile_graph`, which stores the result in
+inductor's FX graph and AOTAutograd caches. This process then compiles the workers' pieces
+again: they come from the cache. A piece a worker failed on, or left when it died, is compiled
+here; a piece that misses the cache here is compiled again, with a warning (the settings that
+reach a worker are listed in `settings`; a setting outside them changes the cache key).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("graphfuse")
+
+POLL_S = 0.05
+
+
+class Workers:
+    """Processes waiting for one compile job (their stdin gives the job's directory)."""
+
+    def __init__(self, n: int) -> None:
+        import graphfuse
+
+        self.dir = Path(tempfile.mkdtemp(prefix="graphfuse-compile-"))
+        threads = max(1, (os.cpu_count() or 1) // (n + 1))  # inductor's kernel-compile pool, per process
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(threads)}
+        root = str(Path(graphfuse.__file__).resolve().parents[1])  # importable from a source tree too
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+        self.procs = []
+        for i in range(n):
+            with open(self.dir / f"worker-{i}.log", "wb") as err:
+                cmd = [sys.executable, "-c", "import sys; from graphfuse.compile_workers import main; sys.exit(main())"]
+                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, env=env))
+
+    def send(self, job: Path) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.write(f"{job}\n".encode())
+                p.stdin.close()
+            except (BrokenPipeError, OSError):  # a worker that died is seen as dead when waited for
+                pass
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def close(self) -> None:
+        """End the workers and remove their directory, logging what a worker that failed wrote
+        to stderr. Called when every piece is compiled: a worker still running holds no piece
+        (it is preparing, or found none left), so it is killed rather than waited for."""
+        for i, p in enumerate(self.procs):
+            if p.stdin and not p.stdin.closed:
+                p.stdin.close()
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            elif p.returncode:
+                tail = (self.dir / f"worker-{i}.log").read_text(errors="replace")[-2000:]
+                log.warning("graphfuse: compile worker %d exited with %s:\n%s", i, p.returncode, tail)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def caches_on() -> bool:
+    """Whether a compile in another process reaches this one (inductor's FX graph cache and
+    AOTAutograd's cache are on)."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as config
+
+    return bool(config.fx_graph_cache and fconfig.enable_autograd_cache and not config.force_disable_caches)
+
+
+def settings() -> dict:
+    """What changes a compile's cache key and lives in this process: inductor's and functorch's
+    configs, the float32 precision, reduced-precision and determinism flags, the cache directory."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return {
+        "inductor": config.save_config(),
+        "functorch": fconfig.save_config(),
+        "flags": _flags(),
+        "deterministic": [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()],
+        "cache_dir": cache_dir(),
+    }
+
+
+# torch's global flags that reach the generated code or the cache key (where this torch has
+# them): the legacy ones first, then their newer forms, which read whatever the legacy ones set
+# (reading a legacy one after setting a newer one raises).
+FLAGS = (
+    ("torch.backends.cuda.matmul", "allow_tf32"),
+    ("torch.backends.cuda.matmul", "allow_fp16_reduced_precision_reduction"),
+    ("torch.backends.cuda.matmul", "allow_bf16_reduced_precision_reduction"),
+    ("torch.backends.cudnn", "allow_tf32"),
+    ("torch.backends", "fp32_precision"),
+    ("torch.backends.cuda.matmul", "fp32_precision"),
+    ("torch.backends.cudnn", "fp32_precision"),
+)
+
+
+def _flags() -> dict:
+    out = {}
+    for owner, name in FLAGS:
+        try:
+            out[f"{owner}.{name}"] = getattr(_owner(owner), name)
+        except (AttributeError, RuntimeError):  # not in this torch, or a legacy flag after the newer API set it
+            pass
+    return out
+
+
+def _owner(path: str):
+    import importlib
+
+    return importlib.import_module(path) if path != "torch.backends.cuda.matmul" else torch.backends.cuda.matmul
+
+
+def apply(s: dict) -> None:
+    """Take the main process's `settings()`. A flag is set only where it differs: setting one
+    of torch's precision flags to its own value can change how the others read."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as config
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = s["cache_dir"]
+    config.load_config(s["inductor"])
+    fconfig.load_config(s["functorch"])
+    for key, value in s["flags"].items():  # in FLAGS' order
+        owner, name = key.rsplit(".", 1)
+        if _flags().get(key) != value:
+            setattr(_owner(owner), name, value)
+    if [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()] != s["deterministic"]:
+        torch.use_deterministic_algorithms(s["deterministic"][0], warn_only=s["deterministic"][1])
+
+
+def tensor_meta(x: torch.Tensor) -> dict:
+    return {"shape": list(x.shape), "stride": list(x.stride()), "offset": x.storage_offset(), "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
+
+
+def claim(job: Path, j: int) -> bool:
+    """Take piece j for this process; False if another took it first."""
+    try:
+        os.close(os.open(job / f"claim-{j}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def mark(job: Path, j: int, what: str, text: str = "") -> None:
+    """Piece j is `what` ("done", "failed" with the traceback)."""
+    write_whole(job / f"{what}-{j}", text.encode())
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write `path` so that readers see it whole or not at all."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class Propagator:
+    """The step graph's values on fake tensors, computed in graph order as far as asked."""
+
+    def __init__(self, gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.interp = torch.fx.Interpreter(gm)
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.interp.env = {n: self.mode.from_tensor(x, static_shapes=True) for n, x in zip(phs, examples)}
+        self.rest = iter([n for n in gm.graph.nodes if n.op not in ("placeholder", "output")])
+
+    def values(self, nodes: list[torch.fx.Node]) -> list[torch.Tensor]:
+        env = self.interp.env
+        with self.mode:
+            for n in nodes:
+                while n not in env:
+                    nxt = next(self.rest)
+                    env[nxt] = self.interp.run_node(nxt)
+        return [env[n] for n in nodes]
+
+
+def fake_from_meta(mode, m: dict) -> torch.Tensor:
+    """A fake tensor of `tensor_meta` m (a view of a larger one only for a storage offset)."""
+    dtype = getattr(torch, m["dtype"])
+    with mode:
+        if not m["offset"]:
+            return torch.empty_strided(m["shape"], m["stride"], dtype=dtype, device=m["device"])
+        need = m["offset"] + 1 + sum((s - 1) * st for s, st in zip(m["shape"], m["stride"]))
+        base = torch.empty(need if all(m["shape"]) else m["offset"], dtype=dtype, device=m["device"])
+        return base.as_strided(m["shape"], m["stride"], m["offset"])
+
+
+def write_job(job: Path, program, n_pieces: int, example_inputs: list[torch.Tensor]) -> None:
+    """What a worker needs to cut and compile the same pieces: the program file, the number of
+    pieces, the inputs' shapes, strides and dtypes (job.json, written last), and `settings()`."""
+    from graphfuse.program_files import save_program
+
+    save_program(program, job / "program")
+    write_whole(job / "settings.pkl", pickle.dumps(settings()))
+    spec = {"pieces": n_pieces, "inputs": [tensor_meta(x) for x in example_inputs]}
+    write_whole(job / "job.json", json.dumps(spec).encode())
+
+
+def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], workers: Workers):
+    """The step `gm` cut into len(workers.procs) + 1 pieces and compiled by this process and
+    the workers; returns a PieceRunner. Closes `workers`."""
+    from graphfuse.inductor import compile_graph
+    from graphfuse.pieces import PieceRunner, split
+
+    try:
+        pieces = split(gm, len(workers.procs) + 1)
+        job = workers.dir
+        if len(pieces) > 1 and caches_on():
+            write_job(job, program, len(pieces), example_inputs)
+            workers.send(job)
+        else:
+            log.info("graphfuse: compiling the step in this process only (%d piece(s); inductor's caches %s)",
+                     len(pieces), "on" if caches_on() else "off")
+        prop = Propagator(gm, example_inputs)
+        fns: list = [None] * len(pieces)
+        for j, piece in enumerate(pieces):
+            if claim(job, j):
+                t = time.perf_counter()
+                fns[j] = compile_graph(piece.gm, prop.values(piece.inputs))
+                log.info("graphfuse: piece %d of %d compiled here in %.2f s", j + 1, len(pieces), time.perf_counter() - t)
+        for j, piece in enumerate(pieces):
+            if fns[j] is None:
+                fns[j] = _from_worker(job, j, piece, prop.values(piece.inputs), workers)
+        return PieceRunner(gm, pieces, fns)
+    finally:
+        workers.close()
+
+
+def _from_worker(job: Path, j: int, piece, examples: list, workers: Workers):
+    """Piece j, compiled by a worker: loaded from the cache once the worker is done (compiled
+    here if it failed, died, or its result is not found in the cache)."""
+    from torch._dynamo.utils import counters
+
+    from graphfuse.inductor import compile_graph
+
+    while not (job / f"done-{j}").exists() and not (job / f"failed-{j}").exists() and workers.alive():
+        time.sleep(POLL_S)
+    if (job / f"failed-{j}").exists():
+        log.warning("graphfuse: a compile worker failed on piece %d; compiling it here:\n%s", j + 1, (job / f"failed-{j}").read_text()[-2000:])
+    elif not (job / f"done-{j}").exists():
+        log.warning("graphfuse: the compile workers ended without piece %d; compiling it here", j + 1)
+    if (job / f"done-{j}").exists():
+        t = json.loads((job / f"done-{j}").read_text())
+        log.info("graphfuse: piece %d compiled by worker %s in %.2f s (its job came at %.2f s, its pieces were ready "
+                 "at %.2f s); loading it", j + 1, t["pid"], t["compile_s"], t["job_s"], t["ready_s"])
+    hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+    fn = compile_graph(piece.gm, examples)
+    if (job / f"done-{j}").exists() and counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] == hits:
+        log.warning("graphfuse: piece %d, compiled by a worker, was not found in inductor's cache and was compiled again "
+                    "here (a compile setting this process has and the worker lacked?)", j + 1)
+    return fn
+
+
+def work(job: Path, started: float) -> None:
+    """A worker's job: the same pieces as the main process, compiled from the last one down.
+    Each piece's marker holds this worker's seconds: since it started, to the job, to its
+    pieces prepared, and in the piece's compile."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphfuse.execute import in_place_graph
+    from graphfuse.inductor import compile_graph
+    from graphfuse.pieces import split
+    from graphfuse.program_files import load_program
+
+    times = {"job_s": time.perf_counter() - started}
+    spec = json.loads((job / "job.json").read_text())
+    if all((job / f"claim-{j}").exists() for j in range(spec["pieces"])):
+        return  # the main process took every piece (their compiles were in the cache)
+    apply(pickle.loads((job / "settings.pkl").read_bytes()))
+    devices = {m["device"] for m in spec["inputs"] if m["device"].startswith("cuda")}
+    if devices:
+        torch.cuda.set_device(torch.device(sorted(devices)[0]))
+    gm = in_place_graph(load_program(job / "program"))
+    pieces = split(gm, spec["pieces"])
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    prop = Propagator(gm, [fake_from_meta(mode, m) for m in spec["inputs"]])
+    times["ready_s"] = time.perf_counter() - started
+    for j in reversed(range(len(pieces))):
+        if claim(job, j):
+            t = time.perf_counter()
+            try:
+                compile_graph(pieces[j].gm, prop.values(pieces[j].inputs))
+                mark(job, j, "done", json.dumps({**times, "compile_s": time.perf_counter() - t, "pid": os.getpid()}))
+            except Exception:
+                mark(job, j, "failed", traceback.format_exc())
+
+
+def main() -> int:
+    started = time.perf_counter()
+    import torch._inductor.compile_fx  # noqa: F401  (the imports, while the main process captures)
+
+    from graphfuse.inductor import warm_workers
+
+    warm_workers()  # this process's own pool of kernel-compile workers, started while it waits
+    line = sys.stdin.readline().strip()
+    if not line:  # the DistModel never compiled, or compiled without workers
+        return 0
+    work(Path(line), started)
+    return 0
+

@@ -1,0 +1,118 @@
+"""Strategy.compile_workers (graphfuse/compile_workers.py): worker processes compile pieces of
+the step into inductor's on-disk caches, and the main process finds them there. Real processes
+and real inductor compiles, on a small MLP so that the CPU compiles stay short."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import graphfuse as gf
+from graphfuse import compile_workers as W
+from graphfuse.capture import flatten_batch
+from graphfuse.execute import arguments, in_place_graph
+from graphfuse.inductor import compile_graph
+from graphfuse.pieces import split
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _batches(n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty inductor cache of this test's own, for this process and the workers it starts."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    return tmp_path / "inductor"
+
+
+def test_pieces_a_worker_compiled_are_found_in_the_cache_here(tmp_path, cache):
+    model, opt = _mlp()
+    batch = _batches(1)[0]
+    dm = gf.compile(model, opt, _loss, batch, gf.Strategy(compile="inductor"))
+    args = arguments(dm.program, dm.tensors, flatten_batch(batch)[1])
+    gm = in_place_graph(dm.program)
+    pieces = split(gm, 2)
+    assert len(pieces) == 2
+    job = tmp_path / "job"
+    job.mkdir()
+    W.write_job(job, dm.program, len(pieces), args)
+    worker = [sys.executable, "-c", "import sys; from graphfuse.compile_workers import main; sys.exit(main())"]
+    done = subprocess.run(worker, input=f"{job}\n", capture_output=True, text=True, timeout=600, env=os.environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in job.glob("done-*")) == ["done-0", "done-1"]  # nobody else claimed
+    prop = W.Propagator(gm, args)
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    fns = [compile_graph(p.gm, prop.values(p.inputs)) for p in pieces]
+    assert counters["aot_autograd"]["autograd_cache_hit"] - hits == 2
+    assert len(fns) == 2 and all(callable(f) for f in fns)
+
+
+def _train(workers: int, caplog=None):
+    model, opt = _mlp()
+    batches = _batches()
+    dm = gf.compile(model, opt, _loss, batches[0], gf.Strategy(compile="inductor", compile_workers=workers, bucket_size_mb=0.0005))
+    losses = torch.stack([dm(b) for b in batches])
+    return losses, [p.detach().clone() for p in model.parameters()], dm
+
+
+def test_a_step_compiled_in_pieces_matches_the_step_compiled_whole(cache, caplog):
+    ref_losses, ref_params, _ = _train(0)
+    with caplog.at_level(logging.INFO, logger="graphfuse"):
+        losses, params, dm = _train(1)
+    assert "piece 1 of 2 compiled here" in caplog.text, caplog.text
+    assert "not found in inductor's cache" not in caplog.text and "compiling it here" not in caplog.text, caplog.text
+    assert dm._workers is None  # handed to the first compile, and closed by it
+    # The pieces are fused apart at their cut: not the same kernels, so not bitwise.
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_workers_that_died_leave_the_compile_to_this_process(cache, caplog):
+    ref_losses, _, _ = _train(0)
+    model, opt = _mlp()
+    batches = _batches()
+    dm = gf.compile(model, opt, _loss, batches[0], gf.Strategy(compile="inductor", compile_workers=2))
+    for p in dm._workers.procs:  # killed before the first step hands them the job
+        p.kill()
+        p.wait()
+    with caplog.at_level(logging.INFO, logger="graphfuse"):
+        losses = torch.stack([dm(b) for b in batches])
+    assert "compile worker 0 exited with -9" in caplog.text and "compile worker 1 exited with -9" in caplog.text
+    assert "piece 2 of 2 compiled here" in caplog.text or "piece 2 of 3 compiled here" in caplog.text
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_workers_is_checked():
+    with pytest.raises(gf.UnsupportedError, match="compile='inductor'"):
+        gf.Strategy(compile_workers=2)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(gf.UnsupportedError, match="compile_workers must be an int >= 0"):
+            gf.Strategy(compile="inductor", compile_workers=bad)
+
+
+def test_settings_reach_a_worker_as_they_are_here():
+    before = W.settings()
+    W.apply(before)
+    after = W.settings()
+    assert after["flags"] == before["flags"] and after["deterministic"] == before["deterministic"]
+    assert after["cache_dir"] == before["cache_dir"]
