@@ -1,7 +1,7 @@
 """Compile a step cut into pieces (graphfuse/pieces.py) in several processes at once
 (Strategy.compile_workers), through inductor's on-disk caches.
 
-The worker processes start with the DistModel (`Workers.start`), so their imports overlap the
+The worker processes start with the DistModel (`Workers(n)`), so their imports overlap the
 capture. At the first step this process writes a job into their directory: the program file,
 the inputs' shapes, strides and dtypes, and inductor's and torch's compile settings. Every
 process (this one first, the workers from the last piece down) claims pieces one at a time with
@@ -31,6 +31,9 @@ import torch
 log = logging.getLogger("graphfuse")
 
 POLL_S = 0.05
+# How long the main process waits, once its own pieces are compiled, for the workers' pieces:
+# at least WAIT_MIN_S, and WAIT_FACTOR times its own slowest piece.
+WAIT_MIN_S, WAIT_FACTOR = 300.0, 5.0
 
 
 class Workers:
@@ -42,12 +45,13 @@ class Workers:
         self.dir = Path(tempfile.mkdtemp(prefix="graphfuse-compile-"))
         threads = max(1, (os.cpu_count() or 1) // (n + 1))  # inductor's kernel-compile pool, per process
         env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(threads)}
-        root = str(Path(graphfuse.__file__).resolve().parents[1])  # importable from a source tree too
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+        # This graphfuse, also from a source tree; last on the path, so it shadows nothing.
+        root = str(Path(graphfuse.__file__).resolve().parents[1])
+        code = f"import sys; sys.path.append({root!r}); from graphfuse.compile_workers import main; sys.exit(main())"
         self.procs = []
         for i in range(n):
             with open(self.dir / f"worker-{i}.log", "wb") as err:
-                cmd = [sys.executable, "-c", "import sys; from graphfuse.compile_workers import main; sys.exit(main())"]
+                cmd = [sys.executable, "-c", code]
                 self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, env=env))
 
     def send(self, job: Path) -> None:
@@ -63,8 +67,8 @@ class Workers:
 
     def close(self) -> None:
         """End the workers and remove their directory, logging what a worker that failed wrote
-        to stderr. Called when every piece is compiled: a worker still running holds no piece
-        (it is preparing, or found none left), so it is killed rather than waited for."""
+        to stderr. Called when every piece is compiled (a worker's, or here in its place): a
+        worker still running has nothing left to give, so it is killed rather than waited for."""
         for i, p in enumerate(self.procs):
             if p.stdin and not p.stdin.closed:
                 p.stdin.close()
@@ -227,28 +231,38 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
     try:
         pieces = split(gm, len(workers.procs) + 1)
         job = workers.dir
+        first = claim(job, 0)  # before any worker hears of the job: this process starts at once
         if len(pieces) > 1 and caches_on():
-            write_job(job, program, len(pieces), example_inputs)
-            workers.send(job)
+            try:
+                write_job(job, program, len(pieces), example_inputs)
+                workers.send(job)
+            except Exception as e:  # e.g. an inductor setting that cannot be pickled: the pieces are compiled here
+                log.warning("graphfuse: cannot hand the compile to the workers (%s: %s); compiling every piece here",
+                            type(e).__name__, e)
         else:
             log.info("graphfuse: compiling the step in this process only (%d piece(s); inductor's caches %s)",
                      len(pieces), "on" if caches_on() else "off")
         prop = Propagator(gm, example_inputs)
         fns: list = [None] * len(pieces)
+        longest = 0.0
         for j, piece in enumerate(pieces):
-            if claim(job, j):
+            if (first if j == 0 else claim(job, j)):
                 t = time.perf_counter()
                 fns[j] = compile_graph(piece.gm, prop.values(piece.inputs))
-                log.info("graphfuse: piece %d of %d compiled here in %.2f s", j + 1, len(pieces), time.perf_counter() - t)
+                took = time.perf_counter() - t
+                longest = max(longest, took)
+                log.info("graphfuse: piece %d of %d compiled here in %.2f s", j + 1, len(pieces), took)
+        # A worker that is alive but never finishes must not hang the step: past this, its piece is compiled here.
+        deadline = time.monotonic() + max(WAIT_MIN_S, WAIT_FACTOR * longest)
         for j, piece in enumerate(pieces):
             if fns[j] is None:
-                fns[j] = _from_worker(job, j, piece, prop.values(piece.inputs), workers)
+                fns[j] = _from_worker(job, j, piece, prop.values(piece.inputs), workers, deadline)
         return PieceRunner(gm, pieces, fns)
     finally:
         workers.close()
 
 
-def _from_worker(job: Path, j: int, piece, examples: list, workers: Workers):
+def _from_worker(job: Path, j: int, piece, examples: list, workers: Workers, deadline: float):
     """Piece j, compiled by a worker: loaded from the cache once the worker is done (compiled
     here if it failed, died, or its result is not found in the cache)."""
     from torch._dynamo.utils import counters
@@ -256,6 +270,9 @@ def _from_worker(job: Path, j: int, piece, examples: list, workers: Workers):
     from graphfuse.inductor import compile_graph
 
     while not (job / f"done-{j}").exists() and not (job / f"failed-{j}").exists() and workers.alive():
+        if time.monotonic() > deadline:
+            log.warning("graphfuse: a compile worker has not finished piece %d in time; compiling it here", j + 1)
+            break
         time.sleep(POLL_S)
     if (job / f"failed-{j}").exists():
         log.warning("graphfuse: a compile worker failed on piece %d; compiling it here:\n%s", j + 1, (job / f"failed-{j}").read_text()[-2000:])

@@ -11,6 +11,8 @@ step cut into k pieces can be compiled by k processes at once. The cut keeps the
   last read of that input, so no later piece reads it written.
 - No cut falls between a collective and its wait: each piece waits for what it issues.
 - Within a window of 5% of the work around each even share, the cut that fewest values cross.
+- A bucket's gradients computed in earlier pieces reach its `cat` packed in parts, one per run
+  of them (`partial_cats`), not one by one.
 
 Pieces lose the fusions across their cuts (each crossing value is written out and read back);
 docs/benchmarks.md measures what that costs a step.
@@ -71,10 +73,11 @@ def input_root(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def order(graph: torch.fx.Graph, free: set[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The compute nodes in graph order, except: each view, and each node read only by a `cat`,
-    just after its (last) input, each `cat` just after its last input (a bucket's gradients are packed as soon as they exist, as inductor
-    writes them anyway), and each `copy_` into an input just after the later of its source and
-    the last read of that input (through its views)."""
+    """The compute nodes in graph order, except: each view, and each node read only by a `cat`
+    (a bucket's padding), just after its input; each `cat` just after its last input (a
+    bucket's gradients are packed as soon as they exist, as inductor writes them anyway); each
+    `copy_` into an input just after the later of its source and the last read of that input
+    (through its views)."""
     nodes = [n for n in graph.nodes if n.op == "call_function" and n not in free]
     copies = {n for n in nodes if n.target is torch.ops.aten.copy_.default and input_root(n.args[0]) is not None}
     key: dict[torch.fx.Node, tuple] = {}
@@ -242,11 +245,12 @@ class PieceRunner:
         for p, piece in enumerate(pieces):
             for a in piece.inputs:
                 last[slot[a]] = p
+        self.results = [slot[x] for x in gm.graph.output_node().args[0]]
+        keep = set(self.results) | set(range(self.n_args))  # the step's outputs, and the caller's arguments
         self.plan = [
-            (fn, [slot[a] for a in piece.inputs], [slot[x] for x in piece.outputs], [s for s, q in last.items() if q == p and s >= self.n_args])
+            (fn, [slot[a] for a in piece.inputs], [slot[x] for x in piece.outputs], [s for s, q in last.items() if q == p and s not in keep])
             for p, (piece, fn) in enumerate(zip(pieces, fns))
         ]
-        self.results = [slot[x] for x in gm.graph.output_node().args[0]]
 
     def __call__(self, *args):
         values = [*args, *[None] * (self.n_slots - self.n_args)]
@@ -254,6 +258,5 @@ class PieceRunner:
             for s, v in zip(outs, fn(*[values[i] for i in ins])):
                 values[s] = v
             for s in done:
-                if s not in self.results:
-                    values[s] = None
+                values[s] = None
         return [values[s] for s in self.results]

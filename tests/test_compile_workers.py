@@ -78,7 +78,8 @@ def test_a_step_compiled_in_pieces_matches_the_step_compiled_whole(cache, caplog
     ref_losses, ref_params, _ = _train(0)
     with caplog.at_level(logging.INFO, logger="graphfuse"):
         losses, params, dm = _train(1)
-    assert "piece 1 of 2 compiled here" in caplog.text, caplog.text
+    assert "piece 1 of 2 compiled here" in caplog.text, caplog.text  # claimed before the workers hear of the job
+    assert "piece 2 of 2 compiled here" in caplog.text or "piece 2 compiled by worker" in caplog.text, caplog.text
     assert "not found in inductor's cache" not in caplog.text and "compiling it here" not in caplog.text, caplog.text
     assert dm._workers is None  # handed to the first compile, and closed by it
     # The pieces are fused apart at their cut: not the same kernels, so not bitwise.
@@ -116,3 +117,34 @@ def test_settings_reach_a_worker_as_they_are_here():
     after = W.settings()
     assert after["flags"] == before["flags"] and after["deterministic"] == before["deterministic"]
     assert after["cache_dir"] == before["cache_dir"]
+
+
+def test_a_worker_that_never_finishes_its_piece_does_not_hang_the_step(cache, caplog, monkeypatch):
+    monkeypatch.setattr(W, "WAIT_MIN_S", 1.0)
+    monkeypatch.setattr(W, "WAIT_FACTOR", 0.0)
+    ref_losses, _, _ = _train(0)
+    model, opt = _mlp()
+    batches = _batches()
+    dm = gf.compile(model, opt, _loss, batches[0], gf.Strategy(compile="inductor", compile_workers=1, bucket_size_mb=0.0005))
+    workers = dm._workers
+    workers.procs[0].kill()
+    workers.procs[0].wait()
+    # In its place, a process that holds piece 2 and never finishes it (a hung compile).
+    workers.procs[0] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.PIPE)
+    (workers.dir / "claim-1").touch()
+    with caplog.at_level(logging.INFO, logger="graphfuse"):
+        losses = torch.stack([dm(b) for b in batches])
+    assert "has not finished piece 2 in time; compiling it here" in caplog.text, caplog.text
+    assert workers.procs[0].poll() is not None  # ended with the compile
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_settings_that_cannot_reach_a_worker_leave_every_piece_here(cache, caplog, monkeypatch):
+    real = W.settings
+    monkeypatch.setattr(W, "settings", lambda: {**real(), "inductor": lambda: None})  # as a custom pass would be
+    with caplog.at_level(logging.INFO, logger="graphfuse"):
+        losses, _, _ = _train(1)
+    assert "cannot hand the compile to the workers (" in caplog.text and "can't pickle" in caplog.text.lower(), caplog.text
+    assert "piece 2 of 2 compiled here" in caplog.text
+    ref_losses, _, _ = _train(0)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)

@@ -7,6 +7,10 @@ empty inductor cache of its own). Each start also reports torch's own compile ph
     python tools/bench_startup.py --device cpu --layers 2 --embd 64 --heads 4 --block 32 --vocab 256 --batch 2
     python tools/bench_startup.py --device cuda --layers 12 --embd 768 --heads 12 --block 1024 --vocab 50304 --batch 8
 
+`--compile-workers N` compiles graphfuse's step in N + 1 pieces by as many processes
+(Strategy.compile_workers). Each start's graphfuse log (its phases, and which process compiled
+which piece) is printed under it.
+
 `--profile DIR` writes each start's costliest calls (cProfile: 60 by cumulative time, 30 by own
 time) to DIR/<start>.txt and the whole profile to DIR/<start>.prof (pstats, snakeviz).
 """
