@@ -256,37 +256,43 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
         deadline = time.monotonic() + max(WAIT_MIN_S, WAIT_FACTOR * longest)
         for j, piece in enumerate(pieces):
             if fns[j] is None:
-                fns[j] = _from_worker(job, j, piece, prop.values(piece.inputs), workers, deadline)
+                fns[j] = _from_worker(job, j, piece, prop, workers, deadline)
         return PieceRunner(gm, pieces, fns)
     finally:
         workers.close()
 
 
-def _from_worker(job: Path, j: int, piece, examples: list, workers: Workers, deadline: float):
+def _from_worker(job: Path, j: int, piece, prop: Propagator, workers: Workers, deadline: float):
     """Piece j, compiled by a worker: loaded from the cache once the worker is done (compiled
-    here if it failed, died, or its result is not found in the cache)."""
+    here if it failed, died, is past `deadline`, or its result is not found in the cache)."""
     from torch._dynamo.utils import counters
 
     from graphfuse.inductor import compile_graph
 
+    t = time.perf_counter()
     while not (job / f"done-{j}").exists() and not (job / f"failed-{j}").exists() and workers.alive():
         if time.monotonic() > deadline:
             log.warning("graphfuse: a compile worker has not finished piece %d in time; compiling it here", j + 1)
             break
         time.sleep(POLL_S)
+    waited, done = time.perf_counter() - t, (job / f"done-{j}").exists()
     if (job / f"failed-{j}").exists():
         log.warning("graphfuse: a compile worker failed on piece %d; compiling it here:\n%s", j + 1, (job / f"failed-{j}").read_text()[-2000:])
-    elif not (job / f"done-{j}").exists():
+    elif not done:
         log.warning("graphfuse: the compile workers ended without piece %d; compiling it here", j + 1)
-    if (job / f"done-{j}").exists():
-        t = json.loads((job / f"done-{j}").read_text())
-        log.info("graphfuse: piece %d compiled by worker %s in %.2f s (its job came at %.2f s, its pieces were ready "
-                 "at %.2f s); loading it", j + 1, t["pid"], t["compile_s"], t["job_s"], t["ready_s"])
+    t = time.perf_counter()
+    examples = prop.values(piece.inputs)
+    t, fakes_s = time.perf_counter(), time.perf_counter() - t
     hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
     fn = compile_graph(piece.gm, examples)
-    if (job / f"done-{j}").exists() and counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] == hits:
-        log.warning("graphfuse: piece %d, compiled by a worker, was not found in inductor's cache and was compiled again "
-                    "here (a compile setting this process has and the worker lacked?)", j + 1)
+    if done:
+        w = json.loads((job / f"done-{j}").read_text())
+        log.info("graphfuse: piece %d compiled by worker %s in %.2f s (its job came at %.2f s, its pieces were ready at %.2f s); "
+                 "waited %.2f s, its inputs' fake values took %.2f s, loaded here in %.2f s", j + 1, w["pid"], w["compile_s"],
+                 w["job_s"], w["ready_s"], waited, fakes_s, time.perf_counter() - t)
+        if counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] == hits:
+            log.warning("graphfuse: piece %d, compiled by a worker, was not found in inductor's cache and was compiled again "
+                        "here (a compile setting this process has and the worker lacked?)", j + 1)
     return fn
 
 
@@ -331,6 +337,8 @@ def main() -> int:
     from graphfuse.inductor import warm_workers
 
     warm_workers()  # this process's own pool of kernel-compile workers, started while it waits
+    if torch.cuda.is_available():
+        torch.cuda.init()  # the CUDA runtime too (the device is chosen when the job comes)
     line = sys.stdin.readline().strip()
     if not line:  # the DistModel never compiled, or compiled without workers
         return 0
