@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 import torch
@@ -53,6 +54,8 @@ class Workers:
             with open(self.dir / f"worker-{i}.log", "wb") as err:
                 cmd = [sys.executable, "-c", code]
                 self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, env=env))
+        # A DistModel dropped before its first step (or a failed start) leaves no process or directory behind.
+        self._end = weakref.finalize(self, _end, self.procs, self.dir)
 
     def send(self, job: Path) -> None:
         for p in self.procs:
@@ -70,15 +73,20 @@ class Workers:
         to stderr. Called when every piece is compiled (a worker's, or here in its place): a
         worker still running has nothing left to give, so it is killed rather than waited for."""
         for i, p in enumerate(self.procs):
-            if p.stdin and not p.stdin.closed:
-                p.stdin.close()
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            elif p.returncode:
+            if p.poll() is not None and p.returncode:
                 tail = (self.dir / f"worker-{i}.log").read_text(errors="replace")[-2000:]
                 log.warning("graphfuse: compile worker %d exited with %s:\n%s", i, p.returncode, tail)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._end()
+
+
+def _end(procs: list[subprocess.Popen], where: Path) -> None:
+    for p in procs:
+        if p.stdin and not p.stdin.closed:
+            p.stdin.close()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    shutil.rmtree(where, ignore_errors=True)
 
 
 def caches_on() -> bool:

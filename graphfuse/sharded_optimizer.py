@@ -78,6 +78,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "gf.shard_optimizer: Strategy.grad_accumulation must be 1; accumulate by calling backward() "
                 "several times before step() (gradients add up in .grad and are reduced once, in step())"
             )
+        if strategy.compile_workers:
+            raise UnsupportedError(
+                "gf.shard_optimizer: Strategy.compile_workers cuts a whole step that gf.compile traced into pieces "
+                "compiled in several processes; the update alone compiles in this one: set compile_workers=0"
+            )
         if strategy.cuda_graphs:
             raise UnsupportedError(
                 "gf.shard_optimizer: Strategy.cuda_graphs replays a whole step that gf.compile traced (forward, backward "

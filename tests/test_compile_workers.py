@@ -111,6 +111,12 @@ def test_compile_workers_is_checked():
             gf.Strategy(compile="inductor", compile_workers=bad)
 
 
+def test_shard_optimizer_refuses_compile_workers():
+    model, opt = _mlp()
+    with pytest.raises(gf.UnsupportedError, match="set compile_workers=0"):
+        gf.shard_optimizer(opt, model=model, strategy=gf.Strategy(compile="inductor", compile_workers=1))
+
+
 def test_settings_reach_a_worker_as_they_are_here():
     before = W.settings()
     W.apply(before)
@@ -148,3 +154,15 @@ def test_settings_that_cannot_reach_a_worker_leave_every_piece_here(cache, caplo
     assert "piece 2 of 2 compiled here" in caplog.text
     ref_losses, _, _ = _train(0)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_a_dist_model_dropped_before_its_first_step_leaves_no_worker_behind():
+    import gc
+
+    model, opt = _mlp()
+    dm = gf.compile(model, opt, _loss, _batches(1)[0], gf.Strategy(compile="inductor", compile_workers=2))
+    procs, where = list(dm._workers.procs), dm._workers.dir
+    assert where.is_dir() and all(p.poll() is None for p in procs)
+    del dm
+    gc.collect()
+    assert all(p.poll() is not None for p in procs) and not where.exists()
