@@ -142,7 +142,8 @@ def cuts(body: list[torch.fx.Node], k: int) -> list[int]:
 
 
 def split(gm: torch.fx.GraphModule, k: int) -> list[Piece]:
-    """`gm` (a graph whose only mutations are `copy_` into its inputs) as up to k pieces."""
+    """`gm` (a graph whose only mutations are `copy_` into its inputs) as up to k pieces. The
+    partial cats (`partial_cats`) are added to `gm` too, which computes what it did."""
     graph = gm.graph
     free = free_nodes(graph)
     body = order(graph, free)
@@ -161,6 +162,7 @@ def split(gm: torch.fx.GraphModule, k: int) -> list[Piece]:
         if x in free and x not in outputs[-1]:
             builders[-1].value(x)
             outputs[-1].append(x)
+    gm.recompile()
     pieces = []
     for b, outs in zip(builders, outputs):
         b.graph.output(tuple(b.env[x] for x in outs))
