@@ -9,7 +9,7 @@ an exclusive file create and compiles them with `compile_graph`, which stores th
 inductor's FX graph and AOTAutograd caches. This process then compiles the workers' pieces
 again: they come from the cache. A piece a worker failed on, or left when it died, is compiled
 here; a piece that misses the cache here is compiled again, with a warning (the settings that
-reach a worker are listed in `settings`; a setting outside them changes the cache key).
+reach a worker: graphfuse/compile_settings.py; a setting outside them changes the cache key).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import weakref
 from pathlib import Path
 
 import torch
+
+from graphfuse import compile_settings
 
 log = logging.getLogger("graphfuse")
 
@@ -87,78 +89,6 @@ def _end(procs: list[subprocess.Popen], where: Path) -> None:
             p.kill()
             p.wait()
     shutil.rmtree(where, ignore_errors=True)
-
-
-def caches_on() -> bool:
-    """Whether a compile in another process reaches this one (inductor's FX graph cache and
-    AOTAutograd's cache are on)."""
-    import torch._functorch.config as fconfig
-    import torch._inductor.config as config
-
-    return bool(config.fx_graph_cache and fconfig.enable_autograd_cache and not config.force_disable_caches)
-
-
-def settings() -> dict:
-    """What changes a compile's cache key and lives in this process: inductor's and functorch's
-    configs, the float32 precision, reduced-precision and determinism flags, the cache directory."""
-    import torch._functorch.config as fconfig
-    import torch._inductor.config as config
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return {
-        "inductor": config.save_config(),
-        "functorch": fconfig.save_config(),
-        "flags": _flags(),
-        "deterministic": [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()],
-        "cache_dir": cache_dir(),
-    }
-
-
-# torch's global flags that reach the generated code or the cache key (where this torch has
-# them): the legacy ones first, then their newer forms, which read whatever the legacy ones set
-# (reading a legacy one after setting a newer one raises).
-FLAGS = (
-    ("torch.backends.cuda.matmul", "allow_tf32"),
-    ("torch.backends.cuda.matmul", "allow_fp16_reduced_precision_reduction"),
-    ("torch.backends.cuda.matmul", "allow_bf16_reduced_precision_reduction"),
-    ("torch.backends.cudnn", "allow_tf32"),
-    ("torch.backends", "fp32_precision"),
-    ("torch.backends.cuda.matmul", "fp32_precision"),
-    ("torch.backends.cudnn", "fp32_precision"),
-)
-
-
-def _flags() -> dict:
-    out = {}
-    for owner, name in FLAGS:
-        try:
-            out[f"{owner}.{name}"] = getattr(_owner(owner), name)
-        except (AttributeError, RuntimeError):  # not in this torch, or a legacy flag after the newer API set it
-            pass
-    return out
-
-
-def _owner(path: str):
-    import importlib
-
-    return importlib.import_module(path) if path != "torch.backends.cuda.matmul" else torch.backends.cuda.matmul
-
-
-def apply(s: dict) -> None:
-    """Take the main process's `settings()`. A flag is set only where it differs: setting one
-    of torch's precision flags to its own value can change how the others read."""
-    import torch._functorch.config as fconfig
-    import torch._inductor.config as config
-
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = s["cache_dir"]
-    config.load_config(s["inductor"])
-    fconfig.load_config(s["functorch"])
-    for key, value in s["flags"].items():  # in FLAGS' order
-        owner, name = key.rsplit(".", 1)
-        if _flags().get(key) != value:
-            setattr(_owner(owner), name, value)
-    if [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()] != s["deterministic"]:
-        torch.use_deterministic_algorithms(s["deterministic"][0], warn_only=s["deterministic"][1])
 
 
 def tensor_meta(x: torch.Tensor) -> dict:
@@ -221,11 +151,11 @@ def fake_from_meta(mode, m: dict) -> torch.Tensor:
 
 def write_job(job: Path, program, n_pieces: int, example_inputs: list[torch.Tensor]) -> None:
     """What a worker needs to cut and compile the same pieces: the program file, the number of
-    pieces, the inputs' shapes, strides and dtypes (job.json, written last), and `settings()`."""
+    pieces, the inputs' shapes, strides and dtypes (job.json, written last), and `compile_settings.settings()`."""
     from graphfuse.program_files import save_program
 
     save_program(program, job / "program")
-    write_whole(job / "settings.pkl", pickle.dumps(settings()))
+    write_whole(job / "settings.pkl", pickle.dumps(compile_settings.settings()))
     spec = {"pieces": n_pieces, "inputs": [tensor_meta(x) for x in example_inputs]}
     write_whole(job / "job.json", json.dumps(spec).encode())
 
@@ -240,7 +170,7 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
         pieces = split(gm, len(workers.procs) + 1)
         job = workers.dir
         first = claim(job, 0)  # before any worker hears of the job: this process starts at once
-        if len(pieces) > 1 and caches_on():
+        if len(pieces) > 1 and compile_settings.caches_on():
             try:
                 write_job(job, program, len(pieces), example_inputs)
                 workers.send(job)
@@ -249,7 +179,7 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
                             type(e).__name__, e)
         else:
             log.info("graphfuse: compiling the step in this process only (%d piece(s); inductor's caches %s)",
-                     len(pieces), "on" if caches_on() else "off")
+                     len(pieces), "on" if compile_settings.caches_on() else "off")
         prop = Propagator(gm, example_inputs)
         fns: list = [None] * len(pieces)
         longest = 0.0
@@ -319,7 +249,7 @@ def work(job: Path, started: float) -> None:
     spec = json.loads((job / "job.json").read_text())
     if all((job / f"claim-{j}").exists() for j in range(spec["pieces"])):
         return  # the main process took every piece (their compiles were in the cache)
-    apply(pickle.loads((job / "settings.pkl").read_bytes()))
+    compile_settings.apply(pickle.loads((job / "settings.pkl").read_bytes()))
     devices = {m["device"] for m in spec["inputs"] if m["device"].startswith("cuda")}
     if devices:
         torch.cuda.set_device(torch.device(sorted(devices)[0]))

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import graphfuse as gf
+from graphfuse import compile_settings
 from graphfuse import compile_workers as W
 from graphfuse.capture import flatten_batch
 from graphfuse.execute import arguments, in_place_graph
@@ -118,9 +119,9 @@ def test_shard_optimizer_refuses_compile_workers():
 
 
 def test_settings_reach_a_worker_as_they_are_here():
-    before = W.settings()
-    W.apply(before)
-    after = W.settings()
+    before = compile_settings.settings()
+    compile_settings.apply(before)
+    after = compile_settings.settings()
     assert after["flags"] == before["flags"] and after["deterministic"] == before["deterministic"]
     assert after["cache_dir"] == before["cache_dir"]
 
@@ -146,8 +147,8 @@ def test_a_worker_that_never_finishes_its_piece_does_not_hang_the_step(cache, ca
 
 
 def test_settings_that_cannot_reach_a_worker_leave_every_piece_here(cache, caplog, monkeypatch):
-    real = W.settings
-    monkeypatch.setattr(W, "settings", lambda: {**real(), "inductor": lambda: None})  # as a custom pass would be
+    real = compile_settings.settings
+    monkeypatch.setattr(compile_settings, "settings", lambda: {**real(), "inductor": lambda: None})  # as a custom pass would be
     with caplog.at_level(logging.INFO, logger="graphfuse"):
         losses, _, _ = _train(1)
     assert "cannot hand the compile to the workers (" in caplog.text and "can't pickle" in caplog.text.lower(), caplog.text

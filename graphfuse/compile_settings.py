@@ -1,0 +1,82 @@
+"""The compile settings a worker process (graphfuse/compile_workers.py) must share with the
+main process for its compiles to land under the cache keys the main process looks up:
+inductor's and functorch's configs, torch's precision and determinism flags, and inductor's
+cache directory."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def caches_on() -> bool:
+    """Whether a compile in another process reaches this one (inductor's FX graph cache and
+    AOTAutograd's cache are on)."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as config
+
+    return bool(config.fx_graph_cache and fconfig.enable_autograd_cache and not config.force_disable_caches)
+
+
+def settings() -> dict:
+    """What changes a compile's cache key and lives in this process: inductor's and functorch's
+    configs, the float32 precision, reduced-precision and determinism flags, the cache directory."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return {
+        "inductor": config.save_config(),
+        "functorch": fconfig.save_config(),
+        "flags": _flags(),
+        "deterministic": [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()],
+        "cache_dir": cache_dir(),
+    }
+
+
+# torch's global flags that reach the generated code or the cache key (where this torch has
+# them): the legacy ones first, then their newer forms, which read whatever the legacy ones set
+# (reading a legacy one after setting a newer one raises).
+FLAGS = (
+    ("torch.backends.cuda.matmul", "allow_tf32"),
+    ("torch.backends.cuda.matmul", "allow_fp16_reduced_precision_reduction"),
+    ("torch.backends.cuda.matmul", "allow_bf16_reduced_precision_reduction"),
+    ("torch.backends.cudnn", "allow_tf32"),
+    ("torch.backends", "fp32_precision"),
+    ("torch.backends.cuda.matmul", "fp32_precision"),
+    ("torch.backends.cudnn", "fp32_precision"),
+)
+
+
+def _flags() -> dict:
+    out = {}
+    for owner, name in FLAGS:
+        try:
+            out[f"{owner}.{name}"] = getattr(_owner(owner), name)
+        except (AttributeError, RuntimeError):  # not in this torch, or a legacy flag after the newer API set it
+            pass
+    return out
+
+
+def _owner(path: str):
+    import importlib
+
+    return importlib.import_module(path) if path != "torch.backends.cuda.matmul" else torch.backends.cuda.matmul
+
+
+def apply(s: dict) -> None:
+    """Take the main process's `settings()`. A flag is set only where it differs: setting one
+    of torch's precision flags to its own value can change how the others read."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as config
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = s["cache_dir"]
+    config.load_config(s["inductor"])
+    fconfig.load_config(s["functorch"])
+    for key, value in s["flags"].items():  # in FLAGS' order
+        owner, name = key.rsplit(".", 1)
+        if _flags().get(key) != value:
+            setattr(_owner(owner), name, value)
+    if [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()] != s["deterministic"]:
+        torch.use_deterministic_algorithms(s["deterministic"][0], warn_only=s["deterministic"][1])
