@@ -60,9 +60,11 @@ def _flags() -> dict:
 
 
 def _owner(path: str):
-    import importlib
-
-    return importlib.import_module(path) if path != "torch.backends.cuda.matmul" else torch.backends.cuda.matmul
+    """The object a dotted path from `torch` names (torch.backends.cuda.matmul is not a module)."""
+    owner = torch
+    for part in path.split(".")[1:]:
+        owner = getattr(owner, part)
+    return owner
 
 
 def apply(s: dict) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from graphfuse import compile_settings
+from graphfuse.passes.graph import placeholders
 
 log = logging.getLogger("graphfuse")
 
@@ -124,8 +125,7 @@ class Propagator:
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.interp = torch.fx.Interpreter(gm)
-        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.interp.env = {n: self.mode.from_tensor(x, static_shapes=True) for n, x in zip(phs, examples)}
+        self.interp.env = {n: self.mode.from_tensor(x, static_shapes=True) for n, x in zip(placeholders(gm.graph), examples)}
         self.rest = iter([n for n in gm.graph.nodes if n.op not in ("placeholder", "output")])
 
     def values(self, nodes: list[torch.fx.Node]) -> list[torch.Tensor]:
@@ -167,10 +167,12 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
     from graphfuse.pieces import PieceRunner, split
 
     try:
-        pieces = split(gm, len(workers.procs) + 1)
+        # Without inductor's caches no worker's compile reaches this process: the step is compiled whole here.
+        cached = compile_settings.caches_on()
+        pieces = split(gm, len(workers.procs) + 1 if cached else 1)
         job = workers.dir
         first = claim(job, 0)  # before any worker hears of the job: this process starts at once
-        if len(pieces) > 1 and compile_settings.caches_on():
+        if len(pieces) > 1:
             try:
                 write_job(job, program, len(pieces), example_inputs)
                 workers.send(job)
@@ -179,7 +181,7 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
                             type(e).__name__, e)
         else:
             log.info("graphfuse: compiling the step in this process only (%d piece(s); inductor's caches %s)",
-                     len(pieces), "on" if compile_settings.caches_on() else "off")
+                     len(pieces), "on" if cached else "off")
         prop = Propagator(gm, example_inputs)
         fns: list = [None] * len(pieces)
         longest = 0.0

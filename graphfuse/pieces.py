@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from graphfuse.passes.graph import issues_collective
+from graphfuse.passes.graph import issues_collective, placeholders
 
 WINDOW = 0.05  # of the total work: how far from an even share a cut may move to cross fewer values
 
@@ -237,12 +237,12 @@ class PieceRunner:
     writes_in_place = True
 
     def __init__(self, gm: torch.fx.GraphModule, pieces: list[Piece], fns: list) -> None:
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        slot = {n: i for i, n in enumerate(placeholders)}
+        inputs = placeholders(gm.graph)
+        slot = {n: i for i, n in enumerate(inputs)}
         for piece in pieces:
             for x in piece.outputs:
                 slot[x] = len(slot)
-        self.n_args, self.n_slots = len(placeholders), len(slot)
+        self.n_args, self.n_slots = len(inputs), len(slot)
         last = {}
         for p, piece in enumerate(pieces):
             for a in piece.inputs:

@@ -167,3 +167,13 @@ def test_a_dist_model_dropped_before_its_first_step_leaves_no_worker_behind():
     del dm
     gc.collect()
     assert all(p.poll() is not None for p in procs) and not where.exists()
+
+
+def test_without_inductors_caches_the_step_is_compiled_whole_here(cache, caplog):
+    import torch._inductor.config as config
+
+    # config.patch, not monkeypatch: undoing a monkeypatch deletes the config entry.
+    with config.patch(fx_graph_cache=False), caplog.at_level(logging.INFO, logger="graphfuse"):
+        _train(1)
+    assert "compiling the step in this process only (1 piece(s); inductor's caches off)" in caplog.text, caplog.text
+    assert "piece 1 of 1 compiled here" in caplog.text
