@@ -38,6 +38,7 @@ POLL_S = 0.05
 # How long the main process waits, once its own pieces are compiled, for the workers' pieces:
 # at least WAIT_MIN_S, and WAIT_FACTOR times its own slowest piece.
 WAIT_MIN_S, WAIT_FACTOR = 300.0, 5.0
+SPAWNED = "GRAPHFUSE_COMPILE_WORKER_SPAWNED"
 
 
 class Workers:
@@ -47,8 +48,10 @@ class Workers:
         import graphfuse
 
         self.dir = Path(tempfile.mkdtemp(prefix="graphfuse-compile-"))
-        threads = max(1, (os.cpu_count() or 1) // (n + 1))  # inductor's kernel-compile pool, per process
-        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(threads)}
+        threads = pool_share(n)  # inductor's kernel-compile pool, per process
+        # The spawn time (wall clock) is what a worker's timeline counts from (`main`).
+        self.spawned = time.time()
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(threads), SPAWNED: repr(self.spawned)}
         # This graphfuse, also from a source tree; last on the path, so it shadows nothing.
         root = str(Path(graphfuse.__file__).resolve().parents[1])
         code = f"import sys; sys.path.append({root!r}); from graphfuse.compile_workers import main; sys.exit(main())"
@@ -79,7 +82,34 @@ class Workers:
             if p.poll() is not None and p.returncode:
                 tail = (self.dir / f"worker-{i}.log").read_text(errors="replace")[-2000:]
                 log.warning("graphfuse: compile worker %d exited with %s:\n%s", i, p.returncode, tail)
+            times = self.dir / f"times-{p.pid}"
+            log.info("graphfuse: compile worker %d: %s", i, _timeline(json.loads(times.read_text())) if times.exists()
+                     else "no report (it was still starting, or had claimed no piece, when every piece was compiled)")
         self._end()
+
+
+def pool_share(n: int) -> int:
+    """Processes in each kernel-compile pool when n workers and this process compile at once:
+    inductor's compile_threads (its default: the cores, up to 32) shared among them. A pool
+    per process as large as the whole slowed every process's compile on one H200's 16 cores
+    (docs/benchmarks.md)."""
+    import torch._inductor.config as config
+
+    return max(1, (config.compile_threads or os.cpu_count() or 1) // (n + 1))
+
+
+def warm_pool(n: int) -> None:
+    """Start this process's kernel-compile pool now (graphfuse.inductor.warm_workers), sized
+    to its `pool_share` when n compile workers share the machine. compile_threads is not in
+    inductor's cache keys, and is restored once the pool has started."""
+    import torch._inductor.config as config
+
+    from graphfuse.inductor import warm_workers
+
+    if not n:
+        return warm_workers()
+    with config.patch(compile_threads=pool_share(n)):
+        warm_workers()
 
 
 def _end(procs: list[subprocess.Popen], where: Path) -> None:
@@ -90,6 +120,14 @@ def _end(procs: list[subprocess.Popen], where: Path) -> None:
             p.kill()
             p.wait()
     shutil.rmtree(where, ignore_errors=True)
+
+
+def _timeline(t: dict) -> str:
+    """A worker's seconds since it was spawned, as `work` reports them."""
+    names = (("imports_s", "imports"), ("pool_s", "kernel-build pool"), ("cuda_s", "CUDA runtime"), ("job_s", "job came"), ("ready_s", "pieces prepared"))
+    marks = ", ".join(f"{label} {t[k]:.2f}" for k, label in names if k in t)
+    pieces = ", ".join(f"piece {j + 1} in {s:.2f}" for j, s in t.get("compiled", []))
+    return f"at s since its start: {marks}; {pieces or 'no piece claimed'}"
 
 
 def tensor_meta(x: torch.Tensor) -> dict:
@@ -176,6 +214,8 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
             try:
                 write_job(job, program, len(pieces), example_inputs)
                 workers.send(job)
+                log.info("graphfuse: compile job for %d pieces sent to the workers %.2f s after they were spawned",
+                         len(pieces), time.time() - workers.spawned)
             except Exception as e:  # e.g. an inductor setting that cannot be pickled: the pieces are compiled here
                 log.warning("graphfuse: cannot hand the compile to the workers (%s: %s); compiling every piece here",
                             type(e).__name__, e)
@@ -236,10 +276,10 @@ def _from_worker(job: Path, j: int, piece, prop: Propagator, workers: Workers, d
     return fn
 
 
-def work(job: Path, started: float) -> None:
+def work(job: Path, started: float, times: dict) -> None:
     """A worker's job: the same pieces as the main process, compiled from the last one down.
-    Each piece's marker holds this worker's seconds: since it started, to the job, to its
-    pieces prepared, and in the piece's compile."""
+    `times` (this worker's seconds since it was spawned) gains when the job came, when its
+    pieces were prepared, and each piece's compile; each piece's marker carries them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from graphfuse.execute import in_place_graph
@@ -247,7 +287,7 @@ def work(job: Path, started: float) -> None:
     from graphfuse.pieces import split
     from graphfuse.program_files import load_program
 
-    times = {"job_s": time.perf_counter() - started}
+    times["job_s"] = time.time() - started
     spec = json.loads((job / "job.json").read_text())
     if all((job / f"claim-{j}").exists() for j in range(spec["pieces"])):
         return  # the main process took every piece (their compiles were in the cache)
@@ -259,29 +299,37 @@ def work(job: Path, started: float) -> None:
     pieces = split(gm, spec["pieces"])
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     prop = Propagator(gm, [fake_from_meta(mode, m) for m in spec["inputs"]])
-    times["ready_s"] = time.perf_counter() - started
+    times["ready_s"] = time.time() - started
+    times["compiled"] = []
     for j in reversed(range(len(pieces))):
         if claim(job, j):
             t = time.perf_counter()
             try:
                 compile_graph(pieces[j].gm, prop.values(pieces[j].inputs))
+                times["compiled"].append((j, time.perf_counter() - t))
                 mark(job, j, "done", json.dumps({**times, "compile_s": time.perf_counter() - t, "pid": os.getpid()}))
             except Exception:
                 mark(job, j, "failed", traceback.format_exc())
 
 
 def main() -> int:
-    started = time.perf_counter()
+    started = float(os.environ.get(SPAWNED) or time.time())  # wall clock: counted from the spawn
     import torch._inductor.compile_fx  # noqa: F401  (the imports, while the main process captures)
 
     from graphfuse.inductor import warm_workers
 
+    times = {"imports_s": time.time() - started}
     warm_workers()  # this process's own pool of kernel-compile workers, started while it waits
+    times["pool_s"] = time.time() - started
     if torch.cuda.is_available():
         torch.cuda.init()  # the CUDA runtime too (the device is chosen when the job comes)
+        times["cuda_s"] = time.time() - started
     line = sys.stdin.readline().strip()
     if not line:  # the DistModel never compiled, or compiled without workers
         return 0
-    work(Path(line), started)
+    try:
+        work(Path(line), started, times)
+    finally:  # for the main process's log (Workers.close)
+        write_whole(Path(line) / f"times-{os.getpid()}", json.dumps(times).encode())
     return 0
 

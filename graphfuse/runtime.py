@@ -12,11 +12,10 @@ import torch.distributed as dist
 
 from graphfuse import cuda_graph
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
-from graphfuse.compile_workers import Workers
+from graphfuse.compile_workers import Workers, warm_pool
 from graphfuse.errors import UnsupportedError
 from graphfuse.execute import arguments, backend_of, bind_tensors, compile_in_place, group_info, rebind_group, run_step
 from graphfuse.guards import ProgramCache, Snapshot, agree_to_start, batch_change, check_batch
-from graphfuse.inductor import warm_workers
 from graphfuse.layout import BucketLayout
 from graphfuse.param_state import ParamState, gather_shards
 from graphfuse.passes import run_pipeline, verify
@@ -110,7 +109,7 @@ class DistModel:
         self.params, self.startup = ParamState(), Phases()
         self.cuda_graphs = cuda_graph.start(self.strategy, self.model, self.world_size, backend_of(self.group, "cuda"))
         if self.strategy.compile == "inductor":
-            warm_workers()
+            warm_pool(self.strategy.compile_workers)
         self._workers = Workers(self.strategy.compile_workers) if self.strategy.compile_workers else None
 
     def _start(self, program: Program, key: tuple) -> None:

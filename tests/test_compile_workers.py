@@ -4,6 +4,7 @@ and real inductor compiles, on a small MLP so that the CPU compiles stay short."
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -60,6 +61,11 @@ def test_pieces_a_worker_compiled_are_found_in_the_cache_here(tmp_path, cache):
     done = subprocess.run(worker, input=f"{job}\n", capture_output=True, text=True, timeout=600, env=os.environ)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in job.glob("done-*")) == ["done-0", "done-1"]  # nobody else claimed
+    # Its timeline, for the main process's log: the phases in order, the pieces from the last down.
+    times = json.loads(next(job.glob("times-*")).read_text())
+    assert times["imports_s"] <= times["pool_s"] <= times["job_s"] <= times["ready_s"], times
+    assert [j for j, _ in times["compiled"]] == [1, 0] and all(s > 0 for _, s in times["compiled"]), times
+    assert "piece 2 in" in W._timeline(times) and "pieces prepared" in W._timeline(times)
     prop = W.Propagator(gm, args)
     hits = counters["aot_autograd"]["autograd_cache_hit"]
     fns = [compile_graph(p.gm, prop.values(p.inputs)) for p in pieces]
@@ -83,6 +89,7 @@ def test_a_step_compiled_in_pieces_matches_the_step_compiled_whole(cache, caplog
     assert "piece 2 of 2 compiled here" in caplog.text or "piece 2 compiled by worker" in caplog.text, caplog.text
     assert "not found in inductor's cache" not in caplog.text and "compiling it here" not in caplog.text, caplog.text
     assert dm._workers is None  # handed to the first compile, and closed by it
+    assert "compile worker 0: " in caplog.text, caplog.text  # its timeline, or why there is none
     # The pieces are fused apart at their cut: not the same kernels, so not bitwise.
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for a, b in zip(params, ref_params):
@@ -177,3 +184,25 @@ def test_without_inductors_caches_the_step_is_compiled_whole_here(cache, caplog)
         _train(1)
     assert "compiling the step in this process only (1 piece(s); inductor's caches off)" in caplog.text, caplog.text
     assert "piece 1 of 1 compiled here" in caplog.text
+
+
+def test_the_kernel_compile_pools_share_inductors_compile_threads(monkeypatch):
+    """Each process's kernel-compile pool gets compile_threads / (workers + 1): the main
+    process's while it starts, and each worker's through its environment."""
+    import torch._inductor.config as config
+
+    import graphfuse.inductor
+
+    with config.patch(compile_threads=8):
+        assert [W.pool_share(n) for n in (0, 1, 3, 7, 9)] == [8, 4, 2, 1, 1]
+        seen = []
+        monkeypatch.setattr(graphfuse.inductor, "warm_workers", lambda: seen.append(config.compile_threads))
+        W.warm_pool(3)
+        W.warm_pool(0)
+        assert seen == [2, 8] and config.compile_threads == 8  # restored once the pool has started
+        workers = W.Workers(3)
+        try:
+            env = [open(f"/proc/{p.pid}/environ", "rb").read().split(b"\0") for p in workers.procs]
+        finally:
+            workers.close()
+        assert all(b"TORCHINDUCTOR_COMPILE_THREADS=2" in e for e in env), env

@@ -11,6 +11,10 @@ empty inductor cache of its own). Each start also reports torch's own compile ph
 (Strategy.compile_workers). Each start's graphfuse log (its phases, and which process compiled
 which piece) is printed under it.
 
+Run where torch has its bytecode (a normal install does): where Python writes none and torch
+came without it, every process compiles torch's sources again, and compile workers, whose
+imports are timed, start seconds late. The script says so when it sees it.
+
 `--profile DIR` writes each start's costliest calls (cProfile: 60 by cumulative time, 30 by own
 time) to DIR/<start>.txt and the whole profile to DIR/<start>.prof (pstats, snakeviz).
 """
@@ -133,6 +137,30 @@ def child_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def bytecode_note() -> str | None:
+    """Why starts may be slower here than on a normal install: Python may not write bytecode
+    and torch came without it, so every process compiles torch's sources again (seconds per
+    process; measured on the GPU machine, docs/benchmarks.md)."""
+    from pathlib import Path
+
+    if not sys.flags.dont_write_bytecode or sys.pycache_prefix or (Path(torch.__file__).parent / "__pycache__").is_dir():
+        return None
+    return ("note: Python writes no bytecode here (PYTHONDONTWRITEBYTECODE) and torch is installed without it, so every "
+            "process compiles torch's sources again: compile workers start seconds later than on a normal install, and "
+            "modules imported during a start are compiled in it. For numbers like a normal install's: "
+            "`unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc`, and one warm-up run")
+
+
+def print_row(r: dict) -> None:
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
+    print(f"{r['start']:14} {r['total_s']:7.2f} s   {phases}")
+    leaves = ", ".join(f"{k} {r['inductor_s'][k]:.2f}" for k in LEAF_PHASES if k in r["inductor_s"])
+    print(f"{'':14} of which in torch: {leaves}")
+    for line in r.get("log", []):
+        print(f"{'':14} {line}")
+    sys.stdout.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_flags(ap)
@@ -145,6 +173,7 @@ def main() -> None:
     ap.add_argument("--program", help="program file (internal)")
     ap.add_argument("--cache-dir", help="inductor cache directory (default: a new empty one)")
     ap.add_argument("--profile", help="directory for each start's cProfile summary")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds each start may take (default: no limit)")
     args = ap.parse_args()
     if args.start in ("fresh", "restart") and not args.program:
         ap.error(f"--start {args.start} needs --program PATH: the program file the fresh start writes and a restart reads")
@@ -153,6 +182,8 @@ def main() -> None:
         logging.getLogger("graphfuse").setLevel(logging.INFO)
         print(json.dumps(profiled(args)))
         return
+    if note := bytecode_note():
+        print(note, flush=True)
     work = tempfile.mkdtemp(prefix="graphfuse-startup-")
     cache = args.cache_dir or os.path.join(work, "cache")
     rows = []
@@ -164,16 +195,16 @@ def main() -> None:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache + ("-torch-compile" if start == "torch_compile" else "")}
         argv = child_argv(sys.argv[1:])
         cmd = [sys.executable, __file__, *argv, f"--start={start}", f"--program={os.path.join(work, 'program')}"]
-        done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=args.timeout)
+        except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
+            # Say which start failed and show its log, then go on with the others.
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            print(f"{start:14} FAILED: {type(e).__name__}; its last output:\n{err[-4000:]}", flush=True)
+            continue
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         rows[-1]["log"] = [line for line in done.stderr.splitlines() if line.startswith("graphfuse")]
-    for r in rows:
-        phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
-        print(f"{r['start']:14} {r['total_s']:7.2f} s   {phases}")
-        leaves = ", ".join(f"{k} {r['inductor_s'][k]:.2f}" for k in LEAF_PHASES if k in r["inductor_s"])
-        print(f"{'':14} of which in torch: {leaves}")
-        for line in r.get("log", []):
-            print(f"{'':14} {line}")
+        print_row(rows[-1])  # at once: a later start that hangs does not hide this one
     print(json.dumps({"bench": "startup", "device": args.device, "torch": torch.__version__, "config": vars(args), "rows": rows}))
 
 
