@@ -1,7 +1,7 @@
 """The compile settings a worker process (graphfuse/compile_workers.py) must share with the
 main process for its compiles to land under the cache keys the main process looks up:
-inductor's and functorch's configs, torch's precision and determinism flags, and inductor's
-cache directory."""
+inductor's and functorch's configs, torch's precision and determinism flags and thread count
+(C++ kernels are generated for it), and inductor's cache directory."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def settings() -> dict:
         "functorch": fconfig.save_config(),
         "flags": _flags(),
         "deterministic": [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()],
+        "threads": torch.get_num_threads(),  # C++ kernels are generated for this many
         "cache_dir": cache_dir(),
     }
 
@@ -82,3 +83,4 @@ def apply(s: dict) -> None:
             setattr(_owner(owner), name, value)
     if [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()] != s["deterministic"]:
         torch.use_deterministic_algorithms(s["deterministic"][0], warn_only=s["deterministic"][1])
+    torch.set_num_threads(s["threads"])

@@ -1,8 +1,8 @@
 """Compile a step cut into pieces (graphfuse/pieces.py) in several processes at once
 (Strategy.compile_workers), through inductor's on-disk caches.
 
-The worker processes start with the DistModel (`Workers(n)`), so their imports overlap the
-capture. At the first step this process writes a job into their directory: the program file,
+The worker processes (graphfuse/compile_worker.py) start with the DistModel (`Workers(n)`),
+so their imports overlap the capture. At the first step this process writes a job into their directory: the program file,
 the inputs' shapes, strides and dtypes, and inductor's and torch's compile settings. Every
 process (this one first, the workers from the last piece down) claims pieces one at a time with
 an exclusive file create and compiles them with `compile_graph`, which stores the result in
@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import weakref
 from pathlib import Path
 
@@ -54,7 +53,7 @@ class Workers:
         env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(threads), SPAWNED: repr(self.spawned)}
         # This graphfuse, also from a source tree; last on the path, so it shadows nothing.
         root = str(Path(graphfuse.__file__).resolve().parents[1])
-        code = f"import sys; sys.path.append({root!r}); from graphfuse.compile_workers import main; sys.exit(main())"
+        code = f"import sys; sys.path.append({root!r}); from graphfuse.compile_worker import main; sys.exit(main())"
         self.procs = []
         for i in range(n):
             with open(self.dir / f"worker-{i}.log", "wb") as err:
@@ -126,8 +125,8 @@ def _timeline(t: dict) -> str:
     """A worker's seconds since it was spawned, as `work` reports them."""
     names = (("imports_s", "imports"), ("pool_s", "kernel-build pool"), ("cuda_s", "CUDA runtime"), ("job_s", "job came"), ("ready_s", "pieces prepared"))
     marks = ", ".join(f"{label} {t[k]:.2f}" for k, label in names if k in t)
-    pieces = ", ".join(f"piece {j + 1} in {s:.2f}" for j, s in t.get("compiled", []))
-    return f"at s since its start: {marks}; {pieces or 'no piece claimed'}"
+    pieces = [f"piece {j + 1} in {s:.2f}" for j, s in t.get("compiled", [])] + [f"piece {j + 1} failed" for j in t.get("failed", [])]
+    return f"at s since its start: {marks}; {', '.join(pieces) or 'no piece claimed'}"
 
 
 def tensor_meta(x: torch.Tensor) -> dict:
@@ -174,17 +173,6 @@ class Propagator:
                     nxt = next(self.rest)
                     env[nxt] = self.interp.run_node(nxt)
         return [env[n] for n in nodes]
-
-
-def fake_from_meta(mode, m: dict) -> torch.Tensor:
-    """A fake tensor of `tensor_meta` m (a view of a larger one only for a storage offset)."""
-    dtype = getattr(torch, m["dtype"])
-    with mode:
-        if not m["offset"]:
-            return torch.empty_strided(m["shape"], m["stride"], dtype=dtype, device=m["device"])
-        need = m["offset"] + 1 + sum((s - 1) * st for s, st in zip(m["shape"], m["stride"]))
-        base = torch.empty(need if all(m["shape"]) else m["offset"], dtype=dtype, device=m["device"])
-        return base.as_strided(m["shape"], m["stride"], m["offset"])
 
 
 def write_job(job: Path, program, n_pieces: int, example_inputs: list[torch.Tensor]) -> None:
@@ -274,62 +262,3 @@ def _from_worker(job: Path, j: int, piece, prop: Propagator, workers: Workers, d
             log.warning("graphfuse: piece %d, compiled by a worker, was not found in inductor's cache and was compiled again "
                         "here (a compile setting this process has and the worker lacked?)", j + 1)
     return fn
-
-
-def work(job: Path, started: float, times: dict) -> None:
-    """A worker's job: the same pieces as the main process, compiled from the last one down.
-    `times` (this worker's seconds since it was spawned) gains when the job came, when its
-    pieces were prepared, and each piece's compile; each piece's marker carries them."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from graphfuse.execute import in_place_graph
-    from graphfuse.inductor import compile_graph
-    from graphfuse.pieces import split
-    from graphfuse.program_files import load_program
-
-    times["job_s"] = time.time() - started
-    spec = json.loads((job / "job.json").read_text())
-    if all((job / f"claim-{j}").exists() for j in range(spec["pieces"])):
-        return  # the main process took every piece (their compiles were in the cache)
-    compile_settings.apply(pickle.loads((job / "settings.pkl").read_bytes()))
-    devices = {m["device"] for m in spec["inputs"] if m["device"].startswith("cuda")}
-    if devices:
-        torch.cuda.set_device(torch.device(sorted(devices)[0]))
-    gm = in_place_graph(load_program(job / "program"))
-    pieces = split(gm, spec["pieces"])
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    prop = Propagator(gm, [fake_from_meta(mode, m) for m in spec["inputs"]])
-    times["ready_s"] = time.time() - started
-    times["compiled"] = []
-    for j in reversed(range(len(pieces))):
-        if claim(job, j):
-            t = time.perf_counter()
-            try:
-                compile_graph(pieces[j].gm, prop.values(pieces[j].inputs))
-                times["compiled"].append((j, time.perf_counter() - t))
-                mark(job, j, "done", json.dumps({**times, "compile_s": time.perf_counter() - t, "pid": os.getpid()}))
-            except Exception:
-                mark(job, j, "failed", traceback.format_exc())
-
-
-def main() -> int:
-    started = float(os.environ.get(SPAWNED) or time.time())  # wall clock: counted from the spawn
-    import torch._inductor.compile_fx  # noqa: F401  (the imports, while the main process captures)
-
-    from graphfuse.inductor import warm_workers
-
-    times = {"imports_s": time.time() - started}
-    warm_workers()  # this process's own pool of kernel-compile workers, started while it waits
-    times["pool_s"] = time.time() - started
-    if torch.cuda.is_available():
-        torch.cuda.init()  # the CUDA runtime too (the device is chosen when the job comes)
-        times["cuda_s"] = time.time() - started
-    line = sys.stdin.readline().strip()
-    if not line:  # the DistModel never compiled, or compiled without workers
-        return 0
-    try:
-        work(Path(line), started, times)
-    finally:  # for the main process's log (Workers.close)
-        write_whole(Path(line) / f"times-{os.getpid()}", json.dumps(times).encode())
-    return 0
-

@@ -3,7 +3,9 @@ correct on the graphs graphfuse builds (see docs/design.md "Numerics" for each o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import copyreg
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -79,12 +81,42 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) 
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     if TracingContext.try_get() is not None:  # called by dynamo (the "graphfuse" backend): it has one
-        with config.patch(active_workarounds()):
+        with config.patch(active_workarounds()), same_keys_in_every_process():
             return compile_fx(gm, example_inputs)
     settings = {**_known(COMPILE_SPEED), **active_workarounds()}
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     # Fake inputs made here with static shapes, as dynamo hands a backend its inputs; real ones
     # would be fakified by AOTAutograd with symbolic shapes under the ShapeEnv.
     fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    with config.patch(settings), tracing(TracingContext(fake_mode)):
+    with config.patch(settings), tracing(TracingContext(fake_mode)), same_keys_in_every_process():
         return compile_fx(gm, fakes)
+
+
+@contextlib.contextmanager
+def same_keys_in_every_process() -> Iterator[None]:
+    """Inductor's cache keys pickle each input's metadata, and a memory format
+    (`torch.contiguous_format`) pickles by the name "torch.contiguous_format", which pickle
+    resolves by searching sys.modules for the first module whose `torch` attribute has it:
+    `__mp_main__` in a rank started by multiprocessing's spawn whose script imports torch,
+    `torch._utils` in another process. So the same graph got different keys in a rank and in
+    a compile worker (and could in a restart): each missed the other's cache entries. While
+    this is active, a memory format pickles as `memory_format(name)` in every process."""
+    previous = copyreg.dispatch_table.get(torch.memory_format)
+    copyreg.dispatch_table[torch.memory_format] = _memory_format_by_name
+    try:
+        yield
+    finally:
+        if previous is None:
+            del copyreg.dispatch_table[torch.memory_format]
+        else:
+            copyreg.dispatch_table[torch.memory_format] = previous
+
+
+def _memory_format_by_name(m: torch.memory_format) -> tuple:
+    return memory_format, (str(m).removeprefix("torch."),)
+
+
+def memory_format(name: str) -> torch.memory_format:
+    """torch's memory format of that name ("contiguous_format"): what a memory format pickled
+    under `same_keys_in_every_process` loads as."""
+    return getattr(torch, name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 
@@ -57,7 +58,7 @@ def test_pieces_a_worker_compiled_are_found_in_the_cache_here(tmp_path, cache):
     job = tmp_path / "job"
     job.mkdir()
     W.write_job(job, dm.program, len(pieces), args)
-    worker = [sys.executable, "-c", "import sys; from graphfuse.compile_workers import main; sys.exit(main())"]
+    worker = [sys.executable, "-c", "import sys; from graphfuse.compile_worker import main; sys.exit(main())"]
     done = subprocess.run(worker, input=f"{job}\n", capture_output=True, text=True, timeout=600, env=os.environ)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in job.glob("done-*")) == ["done-0", "done-1"]  # nobody else claimed
@@ -133,6 +134,22 @@ def test_settings_reach_a_worker_as_they_are_here():
     assert after["cache_dir"] == before["cache_dir"]
 
 
+def test_a_worker_takes_this_processs_thread_count(tmp_path):
+    """torch's thread count is in the cache key of C++ kernels: a worker with its own default
+    compiled pieces that a rank with one thread (launch.run_ranks) never found in the cache."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (tmp_path / "settings.pkl").write_bytes(pickle.dumps(compile_settings.settings()))
+    finally:
+        torch.set_num_threads(threads)
+    code = ("import pickle, sys, torch; from graphfuse import compile_settings; torch.set_num_threads(2); "
+            "compile_settings.apply(pickle.load(open(sys.argv[1], 'rb'))); print(torch.get_num_threads())")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "settings.pkl")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1"]
+
+
 def test_a_worker_that_never_finishes_its_piece_does_not_hang_the_step(cache, caplog, monkeypatch):
     monkeypatch.setattr(W, "WAIT_MIN_S", 1.0)
     monkeypatch.setattr(W, "WAIT_FACTOR", 0.0)
@@ -206,3 +223,80 @@ def test_the_kernel_compile_pools_share_inductors_compile_threads(monkeypatch):
         finally:
             workers.close()
         assert all(b"TORCHINDUCTOR_COMPILE_THREADS=2" in e for e in env), env
+
+
+def _worker_on_rank(rank: int, world: int, where: str) -> dict:
+    """On rank 0 of a Gloo group: a worker compiles both pieces of this rank's step (each
+    holds a collective), and this process finds them in the cache."""
+    from pathlib import Path
+
+    from graphfuse.pieces import issues_collective
+
+    model, opt = _mlp()
+    batch = _batches(1)[0]
+    dm = gf.compile(model, opt, _loss, batch, gf.Strategy(compile="inductor", bucket_size_mb=0.0005))
+    if rank:
+        return {}
+    args = arguments(dm.program, dm.tensors, flatten_batch(batch)[1])
+    gm = in_place_graph(dm.program)
+    pieces = split(gm, 2)
+    job = Path(where)
+    W.write_job(job, dm.program, len(pieces), args)
+    worker = [sys.executable, "-c", "import sys; from graphfuse.compile_worker import main; sys.exit(main())"]
+    done = subprocess.run(worker, input=f"{job}\n", capture_output=True, text=True, timeout=600, env=os.environ)
+    prop = W.Propagator(gm, args)
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    for p in pieces:
+        compile_graph(p.gm, prop.values(p.inputs))
+    return {
+        "group": dm.program.group_name,
+        "collectives": [sum(map(issues_collective, p.gm.graph.nodes)) for p in pieces],
+        "rc": done.returncode, "stderr": done.stderr[-3000:],
+        "markers": sorted(p.name for p in job.glob("done-*")) + sorted(p.name for p in job.glob("failed-*")),
+        "failed": [(job / f"failed-{j}").read_text()[-2000:] for j in range(2) if (job / f"failed-{j}").exists()],
+        "hits": counters["aot_autograd"]["autograd_cache_hit"] - hits,
+    }
+
+
+def test_a_worker_compiles_pieces_that_hold_collectives(tmp_path, cache):
+    """Inductor resolves the graph's process group by name while it compiles; a worker, in no
+    group, stands torch's fake group in under that name (compile_worker.stand_in_group)."""
+    from graphfuse.launch import run_ranks
+
+    (tmp_path / "job").mkdir()
+    out = run_ranks(_worker_on_rank, 2, str(tmp_path / "job"), timeout=900)[0]
+    assert out["group"] and all(n > 0 for n in out["collectives"]), out  # both pieces hold a collective
+    assert out["rc"] == 0, out["stderr"]
+    assert out["markers"] == ["done-0", "done-1"], out["failed"]
+    assert out["hits"] == 2, out  # both found in the cache here
+
+
+_KEY_PROBE = """
+import sys, types
+if sys.argv[1] == "early":  # a module that holds torch, ahead of torch's own (as __mp_main__ is in a spawned rank)
+    holder = types.ModuleType("holds_torch"); sys.modules["holds_torch"] = holder
+import pickle, torch
+if sys.argv[1] == "early":
+    holder.torch = torch
+from torch._inductor.codecache import FxGraphCachePickler, extract_tensor_metadata_for_cache_key
+from graphfuse.inductor import same_keys_in_every_process
+meta = extract_tensor_metadata_for_cache_key(torch.empty(3))
+plain = pickle.dumps(meta)
+with same_keys_in_every_process():
+    stable = FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())).get_hash(meta)
+print(plain.hex(), stable)
+"""
+
+
+def test_inductor_cache_keys_do_not_depend_on_which_modules_hold_torch():
+    """A memory format pickles by the name "torch.contiguous_format", which pickle resolves by
+    searching sys.modules: the same graph got one key in a rank started by multiprocessing's
+    spawn and another in its compile worker. Under graphfuse.inductor.same_keys_in_every_process
+    the key is the same in both kinds of process."""
+    out = {}
+    for how in ("plain", "early"):
+        done = subprocess.run([sys.executable, "-c", _KEY_PROBE, how], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[how] = done.stdout.split()
+    assert out["plain"][0] != out["early"][0], "memory formats now pickle alike everywhere: same_keys_in_every_process can go"
+    assert out["plain"][1] == out["early"][1]
