@@ -2,8 +2,9 @@
 (Strategy.compile_workers), through inductor's on-disk caches.
 
 The worker processes (graphfuse/compile_worker.py) start with the DistModel (`Workers(n)`),
-so their imports overlap the capture. At the first step this process writes a job into their directory: the program file,
-the inputs' shapes, strides and dtypes, and inductor's and torch's compile settings. Every
+so their imports overlap the capture. At the first step this process writes a job into their
+directory: the program file, the inputs' shapes, strides and dtypes, and inductor's and
+torch's compile settings. Every
 process (this one first, the workers from the last piece down) claims pieces one at a time with
 an exclusive file create and compiles them with `compile_graph`, which stores the result in
 inductor's FX graph and AOTAutograd caches. This process then compiles the workers' pieces
@@ -83,15 +84,15 @@ class Workers:
                 log.warning("graphfuse: compile worker %d exited with %s:\n%s", i, p.returncode, tail)
             times = self.dir / f"times-{p.pid}"
             log.info("graphfuse: compile worker %d: %s", i, _timeline(json.loads(times.read_text())) if times.exists()
-                     else "no report (it was still starting, or had claimed no piece, when every piece was compiled)")
+                     else "no report (it was killed while starting or preparing its pieces, once every piece was compiled)")
         self._end()
 
 
 def pool_share(n: int) -> int:
     """Processes in each kernel-compile pool when n workers and this process compile at once:
-    inductor's compile_threads (its default: the cores, up to 32) shared among them. A pool
-    per process as large as the whole slowed every process's compile on one H200's 16 cores
-    (docs/benchmarks.md)."""
+    inductor's compile_threads (its default: the cores, up to 32) shared among them. On one
+    H200's 16 cores, pieces compiled faster with every pool at 4 than with this process's at
+    16 (two runs on two machines: suggestive, not a measured ratio; docs/benchmarks.md)."""
     import torch._inductor.config as config
 
     return max(1, (config.compile_threads or os.cpu_count() or 1) // (n + 1))
@@ -126,7 +127,7 @@ def _timeline(t: dict) -> str:
     names = (("imports_s", "imports"), ("pool_s", "kernel-build pool"), ("cuda_s", "CUDA runtime"), ("job_s", "job came"), ("ready_s", "pieces prepared"))
     marks = ", ".join(f"{label} {t[k]:.2f}" for k, label in names if k in t)
     pieces = [f"piece {j + 1} in {s:.2f}" for j, s in t.get("compiled", [])] + [f"piece {j + 1} failed" for j in t.get("failed", [])]
-    return f"at s since its start: {marks}; {', '.join(pieces) or 'no piece claimed'}"
+    return f"seconds since it was spawned: {marks}; {', '.join(pieces) or 'no piece claimed'}"
 
 
 def tensor_meta(x: torch.Tensor) -> dict:

@@ -119,4 +119,7 @@ def _memory_format_by_name(m: torch.memory_format) -> tuple:
 def memory_format(name: str) -> torch.memory_format:
     """torch's memory format of that name ("contiguous_format"): what a memory format pickled
     under `same_keys_in_every_process` loads as."""
-    return getattr(torch, name)
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.memory_format):
+        raise ValueError(f"torch has no memory format named {name!r}")
+    return found

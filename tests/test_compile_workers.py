@@ -4,6 +4,7 @@ and real inductor compiles, on a small MLP so that the CPU compiles stay short."
 
 from __future__ import annotations
 
+import copyreg
 import json
 import logging
 import os
@@ -300,3 +301,12 @@ def test_inductor_cache_keys_do_not_depend_on_which_modules_hold_torch():
         out[how] = done.stdout.split()
     assert out["plain"][0] != out["early"][0], "memory formats now pickle alike everywhere: same_keys_in_every_process can go"
     assert out["plain"][1] == out["early"][1]
+    # What such a pickle loads as: the same format; a name that is not a format is refused.
+    from graphfuse.inductor import memory_format, same_keys_in_every_process
+
+    with same_keys_in_every_process():
+        data = pickle.dumps([torch.channels_last, torch.contiguous_format])
+    assert pickle.loads(data) == [torch.channels_last, torch.contiguous_format]
+    assert torch.memory_format not in copyreg.dispatch_table  # only while compiling
+    with pytest.raises(ValueError, match="no memory format named 'zeros'"):
+        memory_format("zeros")
