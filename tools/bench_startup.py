@@ -13,7 +13,8 @@ which piece) is printed under it.
 
 Run where torch has its bytecode (a normal install does): where Python writes none and torch
 came without it, every process compiles torch's sources again, and compile workers, whose
-imports are timed, start seconds late. The script says so when it sees it.
+imports are timed, start seconds late. The script says so when it sees it; `--pycache DIR`
+writes the bytecode once into DIR first and lets every start use it.
 
 `--profile DIR` writes each start's costliest calls (cProfile: 60 by cumulative time, 30 by own
 time) to DIR/<start>.txt and the whole profile to DIR/<start>.prof (pstats, snakeviz).
@@ -151,6 +152,25 @@ def bytecode_note() -> str | None:
             "`unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc`, and one warm-up run")
 
 
+def with_bytecode(where: str) -> dict:
+    """The environment for starts that read and write bytecode under `where`, after writing it
+    there for torch, triton (where installed) and graphfuse, so that no start pays for it."""
+    import importlib.util
+
+    import graphfuse.passes
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = os.path.abspath(where)
+    roots = [os.path.dirname(m.__file__) for m in (torch, graphfuse, graphfuse.passes)]  # passes/ lives apart
+    if (spec := importlib.util.find_spec("triton")) and spec.origin:
+        roots.append(os.path.dirname(spec.origin))
+    t = time.perf_counter()
+    print(f"writing bytecode into {env['PYTHONPYCACHEPREFIX']} for {', '.join(roots)} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *roots], env=env, check=False, stdout=subprocess.DEVNULL)
+    print(f"bytecode written in {time.perf_counter() - t:.1f} s", flush=True)
+    return env
+
+
 def print_row(r: dict) -> None:
     phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
     print(f"{r['start']:14} {r['total_s']:7.2f} s   {phases}")
@@ -174,6 +194,8 @@ def main() -> None:
     ap.add_argument("--cache-dir", help="inductor cache directory (default: a new empty one)")
     ap.add_argument("--profile", help="directory for each start's cProfile summary")
     ap.add_argument("--timeout", type=float, default=None, help="seconds each start may take (default: no limit)")
+    ap.add_argument("--pycache", help="write Python bytecode for torch, triton and graphfuse into this directory first, "
+                    "and let every start use it (PYTHONPYCACHEPREFIX), as on a normal install (see bytecode_note)")
     args = ap.parse_args()
     if args.start in ("fresh", "restart") and not args.program:
         ap.error(f"--start {args.start} needs --program PATH: the program file the fresh start writes and a restart reads")
@@ -182,7 +204,8 @@ def main() -> None:
         logging.getLogger("graphfuse").setLevel(logging.INFO)
         print(json.dumps(profiled(args)))
         return
-    if note := bytecode_note():
+    base_env = with_bytecode(args.pycache) if args.pycache else dict(os.environ)
+    if not args.pycache and (note := bytecode_note()):
         print(note, flush=True)
     work = tempfile.mkdtemp(prefix="graphfuse-startup-")
     cache = args.cache_dir or os.path.join(work, "cache")
@@ -192,7 +215,7 @@ def main() -> None:
     for start in args.starts:  # each in a fresh process: imports and caches as at a real start
         # torch.compile gets an empty cache of its own: in graphfuse's it would find the Triton
         # kernels the fresh start compiled for the same shapes, and start faster than it can.
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache + ("-torch-compile" if start == "torch_compile" else "")}
+        env = {**base_env, "TORCHINDUCTOR_CACHE_DIR": cache + ("-torch-compile" if start == "torch_compile" else "")}
         argv = child_argv(sys.argv[1:])
         cmd = [sys.executable, __file__, *argv, f"--start={start}", f"--program={os.path.join(work, 'program')}"]
         try:
