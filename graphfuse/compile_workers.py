@@ -82,9 +82,7 @@ class Workers:
             if p.poll() is not None and p.returncode:
                 tail = (self.dir / f"worker-{i}.log").read_text(errors="replace")[-2000:]
                 log.warning("graphfuse: compile worker %d exited with %s:\n%s", i, p.returncode, tail)
-            times = self.dir / f"times-{p.pid}"
-            log.info("graphfuse: compile worker %d: %s", i, _timeline(json.loads(times.read_text())) if times.exists()
-                     else "no report (it was killed while starting or preparing its pieces, once every piece was compiled)")
+            log.info("graphfuse: compile worker %d: %s", i, _report(self.dir / f"times-{p.pid}"))
         self._end()
 
 
@@ -120,6 +118,17 @@ def _end(procs: list[subprocess.Popen], where: Path) -> None:
             p.kill()
             p.wait()
     shutil.rmtree(where, ignore_errors=True)
+
+
+def _report(path: Path) -> str:
+    """A worker's timeline for the log; a report that is missing or unreadable is said so (the
+    log never fails the compile)."""
+    if not path.exists():
+        return "no report (it was killed while starting or preparing its pieces, once every piece was compiled)"
+    try:
+        return _timeline(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable report ({type(e).__name__}: {e})"
 
 
 def _timeline(t: dict) -> str:

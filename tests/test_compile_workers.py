@@ -68,6 +68,9 @@ def test_pieces_a_worker_compiled_are_found_in_the_cache_here(tmp_path, cache):
     assert times["imports_s"] <= times["pool_s"] <= times["job_s"] <= times["ready_s"], times
     assert [j for j, _ in times["compiled"]] == [1, 0] and all(s > 0 for _, s in times["compiled"]), times
     assert "piece 2 in" in W._timeline(times) and "pieces prepared" in W._timeline(times)
+    (tmp_path / "torn").write_text('{"imports_s": 1.0, "compiled": [[0')  # the log says so, and raises nothing
+    assert W._report(tmp_path / "torn").startswith("unreadable report (JSONDecodeError")
+    assert W._report(tmp_path / "absent").startswith("no report")
     prop = W.Propagator(gm, args)
     hits = counters["aot_autograd"]["autograd_cache_hit"]
     fns = [compile_graph(p.gm, prop.values(p.inputs)) for p in pieces]
