@@ -148,8 +148,8 @@ def bytecode_note() -> str | None:
         return None
     return ("note: Python writes no bytecode here (PYTHONDONTWRITEBYTECODE) and torch is installed without it, so every "
             "process compiles torch's sources again: compile workers start seconds later than on a normal install, and "
-            "modules imported during a start are compiled in it. For numbers like a normal install's: "
-            "`unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc`, and one warm-up run")
+            "modules imported during a start are compiled in it. For numbers like a normal install's, run again "
+            "with --pycache /tmp/pyc")
 
 
 def with_bytecode(where: str) -> dict:
