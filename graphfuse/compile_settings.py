@@ -21,7 +21,8 @@ def caches_on() -> bool:
 
 def settings() -> dict:
     """What changes a compile's cache key and lives in this process: inductor's and functorch's
-    configs, the float32 precision, reduced-precision and determinism flags, the cache directory."""
+    configs, the float32 precision, reduced-precision and determinism flags, the thread count,
+    the cache directory."""
     import torch._functorch.config as fconfig
     import torch._inductor.config as config
     from torch._inductor.runtime.cache_dir_utils import cache_dir

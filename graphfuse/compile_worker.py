@@ -51,7 +51,8 @@ def stand_in_group(world_size: int, rank: int, name: str) -> None:
 def work(job: Path, started: float, times: dict) -> None:
     """A worker's job: the same pieces as the main process, compiled from the last one down.
     `times` (this worker's seconds since it was spawned) gains when the job came, when its
-    pieces were prepared, and each piece's compile; each piece's marker carries them."""
+    pieces were prepared, and each piece's compile (`main` writes it for the main process's
+    log); each piece's marker carries who compiled it and how long it took."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from graphfuse.execute import in_place_graph
@@ -81,8 +82,9 @@ def work(job: Path, started: float, times: dict) -> None:
             t = time.perf_counter()
             try:
                 compile_graph(pieces[j].gm, prop.values(pieces[j].inputs))
-                times["compiled"].append((j, time.perf_counter() - t))
-                mark(job, j, "done", json.dumps({**times, "compile_s": time.perf_counter() - t, "pid": os.getpid()}))
+                took = time.perf_counter() - t
+                times["compiled"].append((j, took))
+                mark(job, j, "done", json.dumps({"compile_s": took, "pid": os.getpid()}))
             except Exception:
                 times.setdefault("failed", []).append(j)
                 mark(job, j, "failed", traceback.format_exc())

@@ -82,7 +82,7 @@ class Workers:
             if p.poll() is not None and p.returncode:
                 tail = (self.dir / f"worker-{i}.log").read_text(errors="replace")[-2000:]
                 log.warning("graphfuse: compile worker %d exited with %s:\n%s", i, p.returncode, tail)
-            log.info("graphfuse: compile worker %d: %s", i, _report(self.dir / f"times-{p.pid}"))
+            log.info("graphfuse: compile worker %d: %s (pid %d)", i, _report(self.dir / f"times-{p.pid}"), p.pid)
         self._end()
 
 
@@ -265,9 +265,9 @@ def _from_worker(job: Path, j: int, piece, prop: Propagator, workers: Workers, d
     fn = compile_graph(piece.gm, examples)
     if done:
         w = json.loads((job / f"done-{j}").read_text())
-        log.info("graphfuse: piece %d compiled by worker %s in %.2f s (its job came at %.2f s, its pieces were ready at %.2f s); "
-                 "waited %.2f s, its inputs' fake values took %.2f s, loaded here in %.2f s", j + 1, w["pid"], w["compile_s"],
-                 w["job_s"], w["ready_s"], waited, fakes_s, time.perf_counter() - t)
+        log.info("graphfuse: piece %d compiled by worker %s in %.2f s (its timeline: below); waited %.2f s, its inputs' "
+                 "fake values took %.2f s, loaded here in %.2f s", j + 1, w["pid"], w["compile_s"], waited, fakes_s,
+                 time.perf_counter() - t)
         if counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] == hits:
             log.warning("graphfuse: piece %d, compiled by a worker, was not found in inductor's cache and was compiled again "
                         "here (a compile setting this process has and the worker lacked?)", j + 1)
