@@ -6,6 +6,7 @@ empty inductor cache of its own). Each start also reports torch's own compile ph
 
     python tools/bench_startup.py --device cpu --layers 2 --embd 64 --heads 4 --block 32 --vocab 256 --batch 2
     python tools/bench_startup.py --device cuda --layers 12 --embd 768 --heads 12 --block 1024 --vocab 50304 --batch 8
+    python tools/bench_startup.py --device cuda ... --precision bf16master   # the precisions of tools/bench_step.py
 
 `--compile-workers N` compiles graphfuse's step in N + 1 pieces by as many processes
 (Strategy.compile_workers). Each start's graphfuse log (its phases, and which process compiled
@@ -43,7 +44,7 @@ def setup(args):
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
     torch.manual_seed(0)
-    model = GPT(cfg).to(args.device)
+    model = GPT(cfg).to(args.device, torch.bfloat16 if args.precision == "bf16master" else torch.float32)
     kw = {"fused": True} if args.device == "cuda" else {"foreach": False}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **kw)
     batch = tuple(x.to(args.device) for x in synthetic_tokens(cfg, args.batch, 1, seed=0)[0])
@@ -82,19 +83,19 @@ def profiled(args) -> dict:
 def run(args) -> dict:
     """One start in this process: `fresh` (gf.compile, saves the program), `restart` (from the
     program file) or `torch_compile`."""
+    from bench_step import compiled_step, loss_for  # the step benchmark's precisions, and its torch.compile peer
+
     import graphfuse as gf
-    from graphfuse.models import gpt_loss
 
     model, opt, batch = setup(args)
+    loss_fn = loss_for(args.precision, torch.device(args.device))
     t = time.perf_counter()
     if args.start == "torch_compile":
-        forward = torch.compile(model)
-        gpt_loss(forward, batch).backward()
-        opt.step()
+        compiled_step(model, torch.device(args.device), args.precision == "bf16master", loss_fn)(batch)
         sync(args.device)
         return {"start": args.start, "total_s": time.perf_counter() - t, "inductor_s": inductor_times()}
     if args.start == "fresh":
-        dm = gf.compile(model, opt, gpt_loss, batch, strategy(args))
+        dm = gf.compile(model, opt, loss_fn, batch, strategy(args))
         gf.save_program(dm.program, args.program)
     else:
         dm = gf.DistModel.from_program(gf.load_program(args.program), model, opt)
@@ -107,7 +108,8 @@ def strategy(args):
     import graphfuse as gf
 
     align = {} if args.align_blocks is None else {"align_buckets_to_blocks": {"true": True, "false": False}.get(args.align_blocks, "auto")}
-    return gf.Strategy(compile="inductor", bucket_size_mb=args.bucket_mb, compile_workers=args.compile_workers, **align)
+    master = {"master_dtype": torch.float32} if args.precision == "bf16master" else {}
+    return gf.Strategy(compile="inductor", bucket_size_mb=args.bucket_mb, compile_workers=args.compile_workers, **align, **master)
 
 
 # torch's compile phases that do not contain one another, printed per start (all are in the JSON).
@@ -187,6 +189,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="Strategy.bucket_size_mb (its default: 256)")
     ap.add_argument("--align-blocks", nargs="?", choices=["true", "false", "auto"], const="true", default=None,
                     help="Strategy.align_buckets_to_blocks (the flag alone: true; absent: the Strategy default)")
+    ap.add_argument("--precision", choices=["fp32", "amp", "bf16master"], default="fp32",
+                    help="as tools/bench_step.py: fp32 (TF32 matmuls), amp (bf16 autocast forward), bf16master (bf16 parameters, fp32 master weights)")
     ap.add_argument("--compile-workers", type=int, default=0, help="Strategy.compile_workers (processes besides the main one)")
     ap.add_argument("--start", choices=["all", "fresh", "restart", "torch_compile"], default="all")
     ap.add_argument("--starts", nargs="+", choices=["fresh", "restart", "torch_compile"], default=["fresh", "restart", "torch_compile"], help="which starts to run (restart needs fresh)")
