@@ -51,12 +51,12 @@ def stand_in_group(world_size: int, rank: int, name: str) -> None:
 def work(job: Path, started: float, times: dict) -> None:
     """A worker's job: the same pieces as the main process, compiled from the last one down.
     `times` (this worker's seconds since it was spawned) gains when the job came, when its
-    pieces were prepared, and each piece's compile (`main` writes it for the main process's
-    log); each piece's marker carries who compiled it and how long it took."""
+    pieces were prepared, and each piece's compile with torch's phases in it (`main` writes it
+    for the main process's log); each piece's marker carries who compiled it and how long it took."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from graphfuse.execute import in_place_graph
-    from graphfuse.inductor import compile_graph
+    from graphfuse.inductor import compile_graph, phase_seconds, phases_since
     from graphfuse.pieces import split
     from graphfuse.program_files import load_program
 
@@ -79,11 +79,11 @@ def work(job: Path, started: float, times: dict) -> None:
     times["compiled"] = []
     for j in reversed(range(len(pieces))):
         if claim(job, j):
-            t = time.perf_counter()
+            t, before = time.perf_counter(), phase_seconds()
             try:
                 compile_graph(pieces[j].gm, prop.values(pieces[j].inputs))
                 took = time.perf_counter() - t
-                times["compiled"].append((j, took))
+                times["compiled"].append((j, took, phases_since(before)))
                 mark(job, j, "done", json.dumps({"compile_s": took, "pid": os.getpid()}))
             except Exception:
                 times.setdefault("failed", []).append(j)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from graphfuse import compile_settings
+from graphfuse.inductor import phases_text
 from graphfuse.passes.graph import placeholders
 
 log = logging.getLogger("graphfuse")
@@ -135,7 +136,8 @@ def _timeline(t: dict) -> str:
     """A worker's seconds since it was spawned, as `work` reports them."""
     names = (("imports_s", "imports"), ("pool_s", "kernel-build pool"), ("cuda_s", "CUDA runtime"), ("job_s", "job came"), ("ready_s", "pieces prepared"))
     marks = ", ".join(f"{label} {t[k]:.2f}" for k, label in names if k in t)
-    pieces = [f"piece {j + 1} in {s:.2f}" for j, s in t.get("compiled", [])] + [f"piece {j + 1} failed" for j in t.get("failed", [])]
+    pieces = [f"piece {j + 1} in {s:.2f} ({phases_text(spent)})" for j, s, spent in t.get("compiled", [])]
+    pieces += [f"piece {j + 1} failed" for j in t.get("failed", [])]
     return f"seconds since it was spawned: {marks}; {', '.join(pieces) or 'no piece claimed'}"
 
 
@@ -199,7 +201,7 @@ def write_job(job: Path, program, n_pieces: int, example_inputs: list[torch.Tens
 def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], workers: Workers):
     """The step `gm` cut into len(workers.procs) + 1 pieces and compiled by this process and
     the workers; returns a PieceRunner. Closes `workers`."""
-    from graphfuse.inductor import compile_graph
+    from graphfuse.inductor import compile_graph, phase_seconds, phases_since
     from graphfuse.pieces import PieceRunner, split
 
     try:
@@ -225,11 +227,12 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
         longest = 0.0
         for j, piece in enumerate(pieces):
             if (first if j == 0 else claim(job, j)):
-                t = time.perf_counter()
+                t, before = time.perf_counter(), phase_seconds()
                 fns[j] = compile_graph(piece.gm, prop.values(piece.inputs))
                 took = time.perf_counter() - t
                 longest = max(longest, took)
-                log.info("graphfuse: piece %d of %d compiled here in %.2f s", j + 1, len(pieces), took)
+                log.info("graphfuse: piece %d of %d compiled here in %.2f s (%s)", j + 1, len(pieces), took,
+                         phases_text(phases_since(before)))
         # A worker that is alive but never finishes must not hang the step: past this, its piece is compiled here.
         deadline = time.monotonic() + max(WAIT_MIN_S, WAIT_FACTOR * longest)
         for j, piece in enumerate(pieces):

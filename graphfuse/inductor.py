@@ -36,6 +36,37 @@ COMPILE_SPEED: dict[str, object] = {
 }
 
 
+# torch's compile phases (`dynamo_timed`) that do not contain one another: where the time of a
+# compile goes, as graphfuse's log and tools/bench_startup.py give it.
+PHASES = ("bytecode_tracing", "aot_collect_metadata", "aot_trace_joint_graph", "_recursive_joint_graph_passes",
+          "min_cut_rematerialization_partition", "_recursive_post_grad_passes", "GraphLowering.run",
+          "Scheduler.__init__", "Scheduler.codegen", "async_compile.wait", "AOTAutogradCache.inductor_load")
+
+
+def phase_seconds() -> dict[str, float]:
+    """Seconds this process has spent in each of torch's compile phases (`dynamo_timed`: tracing,
+    lowering, scheduling, code generation, waiting for kernel builds), summed over every graph
+    it compiled; empty where this torch does not keep them."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    return {name: sum(values) for name, values in compilation_time_metrics.items()}
+
+
+def phases_since(before: dict[str, float]) -> dict[str, float]:
+    """The seconds in each of PHASES since `before` (a `phase_seconds()`), the phases that took
+    at least 10 ms: where one compile's time went."""
+    now = phase_seconds()
+    spent = {name: now.get(name, 0.0) - before.get(name, 0.0) for name in PHASES}
+    return {name: round(s, 2) for name, s in spent.items() if s >= 0.01}
+
+
+def phases_text(spent: dict[str, float]) -> str:
+    """`phases_since`'s seconds for the log: "GraphLowering.run 1.20, Scheduler.codegen 2.31"."""
+    return ", ".join(f"{name} {s:.2f}" for name, s in spent.items()) or "no torch phase timed"
+
+
 def active_workarounds() -> dict[str, object]:
     """The entries of WORKAROUNDS that this torch's inductor config knows."""
     return _known(WORKAROUNDS)

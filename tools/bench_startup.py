@@ -112,12 +112,6 @@ def strategy(args):
     return gf.Strategy(compile="inductor", bucket_size_mb=args.bucket_mb, compile_workers=args.compile_workers, **align, **master)
 
 
-# torch's compile phases that do not contain one another, printed per start (all are in the JSON).
-LEAF_PHASES = ("bytecode_tracing", "aot_collect_metadata", "aot_trace_joint_graph", "_recursive_joint_graph_passes",
-               "min_cut_rematerialization_partition", "_recursive_post_grad_passes", "GraphLowering.run",
-               "Scheduler.__init__", "Scheduler.codegen", "async_compile.wait", "AOTAutogradCache.inductor_load")
-
-
 def inductor_times() -> dict[str, float]:
     """Seconds in each of torch's `dynamo_timed` compile phases (scheduler, code generation,
     waiting for kernel compiles, ...), summed over the graphs compiled in this process."""
@@ -174,9 +168,11 @@ def with_bytecode(where: str) -> dict:
 
 
 def print_row(r: dict) -> None:
+    from graphfuse.inductor import PHASES  # torch's compile phases that do not contain one another
+
     phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
     print(f"{r['start']:14} {r['total_s']:7.2f} s   {phases}")
-    leaves = ", ".join(f"{k} {r['inductor_s'][k]:.2f}" for k in LEAF_PHASES if k in r["inductor_s"])
+    leaves = ", ".join(f"{k} {r['inductor_s'][k]:.2f}" for k in PHASES if k in r["inductor_s"])
     print(f"{'':14} of which in torch: {leaves}")
     for line in r.get("log", []):
         print(f"{'':14} {line}")
