@@ -36,6 +36,21 @@ COMPILE_SPEED: dict[str, object] = {
 }
 
 
+# Inductor settings that shorten the first step of a whole-step program: they change the launch
+# configurations its kernels are built with, never what a kernel computes. Measured for the step
+# time on one H200 (docs/benchmarks.md, "first-step autotuning"; tools/bench_first_step.py).
+FIRST_STEP: dict[str, object] = {
+    # A pointwise kernel gets 2 launch configurations (a tiled one 6), each one built by Triton
+    # and timed at the kernel's first launch. A parameter's offset in its bucket is a constant
+    # in every kernel that reads it, so the kernels of identical layers differ and graphfuse's
+    # step has many times torch.compile's distinct kernels: GPT-2 small in bf16 autocast timed
+    # 123 kernels (248 configurations) at its first step, 2.9 s, where torch.compile timed 19
+    # (0.5 s). With one configuration each the step took 18.08 ms against 18.12 ms tuned.
+    # Inductor's `max_autotune` and `max_autotune_pointwise` still tune them.
+    "triton.autotune_pointwise": False,
+}
+
+
 # torch's compile phases (`dynamo_timed`) that do not contain one another: where the time of a
 # compile goes, as graphfuse's log and tools/bench_startup.py give it.
 PHASES = ("bytecode_tracing", "aot_collect_metadata", "aot_trace_joint_graph", "_recursive_joint_graph_passes",
@@ -102,7 +117,7 @@ def warm_workers() -> None:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
     """`compile_fx(gm, example_inputs)` under graphfuse's inductor WORKAROUNDS (and, for a
-    program graphfuse built, its COMPILE_SPEED settings), in a tracing
+    program graphfuse built, its COMPILE_SPEED and FIRST_STEP settings), in a tracing
     context whose fake mode has a ShapeEnv: without one inductor bypasses its FX graph cache
     ("No shape env"), so every start, also from a program file, compiled from scratch."""
     import torch._inductor.config as config
@@ -114,7 +129,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) 
     if TracingContext.try_get() is not None:  # called by dynamo (the "graphfuse" backend): it has one
         with config.patch(active_workarounds()), same_keys_in_every_process():
             return compile_fx(gm, example_inputs)
-    settings = {**_known(COMPILE_SPEED), **active_workarounds()}
+    settings = {**_known(COMPILE_SPEED), **_known(FIRST_STEP), **active_workarounds()}
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     # Fake inputs made here with static shapes, as dynamo hands a backend its inputs; real ones
     # would be fakified by AOTAutograd with symbolic shapes under the ShapeEnv.

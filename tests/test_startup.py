@@ -163,3 +163,32 @@ def test_auto_gives_buckets_of_their_own_to_the_repeated_blocks_of_a_mebibyte_or
     assert all(len(s) == 1 for s in blocks), blocks  # no bucket mixes blocks, or a block and the rest
     assert dm.program.strategy.align_buckets_to_blocks == "auto"
     assert torch.isfinite(dm(batch))
+
+
+def test_programs_compile_with_one_launch_configuration_per_pointwise_kernel(monkeypatch):
+    # graphfuse.inductor.FIRST_STEP: a program's pointwise kernels are built with one launch
+    # configuration, not timed among several at the first step; torch.compile's graphs through
+    # the "graphfuse" backend keep inductor's default. What inductor sees when it compiles:
+    import torch._inductor.compile_fx as compile_fx_module
+    import torch._inductor.config as inductor_config
+
+    import graphfuse.inductor as inductor
+
+    assert inductor.FIRST_STEP == {"triton.autotune_pointwise": False}
+    seen = []
+    real = compile_fx_module.compile_fx
+
+    def watched(*args, **kwargs):
+        seen.append(inductor_config.triton.autotune_pointwise)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", watched)
+    model, opt = mlp()
+    dm = gf.compile(model, opt, loss_fn, BATCH, gf.Strategy(compile="inductor"))
+    dm(BATCH)
+    assert seen == [False]
+    assert inductor_config.triton.autotune_pointwise is True  # only while compiling
+    torch._dynamo.reset()
+    x = torch.randn(8)
+    assert torch.equal(torch.compile(lambda t: t * 2 + 1, backend="graphfuse")(x), x * 2 + 1)
+    assert seen == [False, True]
