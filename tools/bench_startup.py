@@ -17,6 +17,10 @@ came without it, every process compiles torch's sources again, and compile worke
 imports are timed, start seconds late. The script says so when it sees it; `--pycache DIR`
 writes the bytecode once into DIR first and lets every start use it.
 
+`--at-once R` runs R copies of each start at the same time, each with an inductor cache of its
+own: as R ranks of one host compile their steps at once, sharing its cores (each copy at world
+size 1, so their graphs hold no collectives, and here they share the one GPU too).
+
 `--profile DIR` writes each start's costliest calls (cProfile: 60 by cumulative time, 30 by own
 time) to DIR/<start>.txt and the whole profile to DIR/<start>.prof (pstats, snakeviz).
 """
@@ -179,6 +183,40 @@ def print_row(r: dict) -> None:
     sys.stdout.flush()
 
 
+def launch(args, base_env: dict, work: str, start: str, copy: int) -> tuple[subprocess.Popen, str]:
+    """Start `start` in a new process: copy `copy` of --at-once, with an inductor cache and a
+    program file of its own (a copy's restart reads what its fresh start wrote). Its output goes
+    to files (pipes left unread while another copy is waited for could fill and stall it)."""
+    cache = (args.cache_dir or os.path.join(work, "cache")) + (f"-{copy}" if args.at_once > 1 else "")
+    # torch.compile gets an empty cache of its own: in graphfuse's it would find the Triton
+    # kernels the fresh start compiled for the same shapes, and start faster than it can.
+    env = {**base_env, "TORCHINDUCTOR_CACHE_DIR": cache + ("-torch-compile" if start == "torch_compile" else "")}
+    program = os.path.join(work, f"program-{copy}")
+    cmd = [sys.executable, __file__, *child_argv(sys.argv[1:]), f"--start={start}", f"--program={program}"]
+    out = os.path.join(work, f"{start}-{copy}")
+    with open(out + ".out", "w") as stdout, open(out + ".err", "w") as stderr:
+        return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, text=True), out
+
+
+def collect(child: subprocess.Popen, out: str, start: str, deadline: float | None) -> dict | None:
+    """The row a start printed, with its graphfuse log; None (said, with its last output) when
+    it failed or ran past the `deadline` (time.monotonic()), so that the other starts still report."""
+    try:
+        child.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    with open(out + ".out") as f_out, open(out + ".err") as f_err:
+        stdout, stderr = f_out.read(), f_err.read()
+    if child.returncode != 0:
+        why = "ran past --timeout" if child.returncode < 0 else f"exit status {child.returncode}"
+        print(f"{start:14} FAILED: {why}; its last output:\n{stderr[-4000:]}", flush=True)
+        return None
+    row = json.loads(stdout.strip().splitlines()[-1])
+    row["log"] = [line for line in stderr.splitlines() if line.startswith("graphfuse")]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_flags(ap)
@@ -194,6 +232,8 @@ def main() -> None:
     ap.add_argument("--cache-dir", help="inductor cache directory (default: a new empty one)")
     ap.add_argument("--profile", help="directory for each start's cProfile summary")
     ap.add_argument("--timeout", type=float, default=None, help="seconds each start may take (default: no limit)")
+    ap.add_argument("--at-once", type=int, default=1, help="run this many copies of each start at the same time, each "
+                    "with its own cache and program (as the ranks of one host compile at once, sharing its cores)")
     ap.add_argument("--pycache", help="write Python bytecode for torch, triton and graphfuse into this directory first, "
                     "and let every start use it (PYTHONPYCACHEPREFIX), as on a normal install (see bytecode_note)")
     args = ap.parse_args()
@@ -204,30 +244,24 @@ def main() -> None:
         logging.getLogger("graphfuse").setLevel(logging.INFO)
         print(json.dumps(profiled(args)))
         return
+    if "restart" in args.starts and "fresh" not in args.starts:
+        ap.error("--starts restart needs fresh too: a restart reads the program file the fresh start writes")
+    if args.at_once < 1:
+        ap.error(f"--at-once takes a number of copies >= 1, got {args.at_once}")
     base_env = with_bytecode(args.pycache) if args.pycache else dict(os.environ)
     if not args.pycache and (note := bytecode_note()):
         print(note, flush=True)
     work = tempfile.mkdtemp(prefix="graphfuse-startup-")
-    cache = args.cache_dir or os.path.join(work, "cache")
     rows = []
-    if "restart" in args.starts and "fresh" not in args.starts:
-        ap.error("--starts restart needs fresh too: a restart reads the program file the fresh start writes")
     for start in args.starts:  # each in a fresh process: imports and caches as at a real start
-        # torch.compile gets an empty cache of its own: in graphfuse's it would find the Triton
-        # kernels the fresh start compiled for the same shapes, and start faster than it can.
-        env = {**base_env, "TORCHINDUCTOR_CACHE_DIR": cache + ("-torch-compile" if start == "torch_compile" else "")}
-        argv = child_argv(sys.argv[1:])
-        cmd = [sys.executable, __file__, *argv, f"--start={start}", f"--program={os.path.join(work, 'program')}"]
-        try:
-            done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=args.timeout)
-        except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
-            # Say which start failed and show its log, then go on with the others.
-            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-            print(f"{start:14} FAILED: {type(e).__name__}; its last output:\n{err[-4000:]}", flush=True)
-            continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        rows[-1]["log"] = [line for line in done.stderr.splitlines() if line.startswith("graphfuse")]
-        print_row(rows[-1])  # at once: a later start that hangs does not hide this one
+        deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        children = [launch(args, base_env, work, start, i) for i in range(args.at_once)]
+        for i, (child, out) in enumerate(children):
+            if (row := collect(child, out, start, deadline)) is not None:
+                rows.append({**row, "copy": i})
+                print_row(rows[-1])  # at once: a later start that hangs does not hide this one
+        if args.at_once > 1 and (done := [r["total_s"] for r in rows if r["start"] == start]):
+            print(f"{start:14} {max(done):7.2f} s   the slowest of {len(done)} copies at once", flush=True)
     print(json.dumps({"bench": "startup", "device": args.device, "torch": torch.__version__, "config": vars(args), "rows": rows}))
 
 
