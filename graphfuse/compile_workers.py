@@ -40,6 +40,12 @@ POLL_S = 0.05
 # at least WAIT_MIN_S, and WAIT_FACTOR times its own slowest piece.
 WAIT_MIN_S, WAIT_FACTOR = 300.0, 5.0
 SPAWNED = "GRAPHFUSE_COMPILE_WORKER_SPAWNED"
+# Strategy(compile_workers="auto"): one compile process (this one included) per CORES_PER_PROCESS
+# cores of this rank's share of the host, at most MOST_WORKERS workers. Measured on one H200
+# host of 16 cores, GPT-2 small in bf16 autocast, 1, 2 or 4 starts at once (docs/benchmarks.md,
+# "How many compile workers"): with 16 cores a start, 3 workers were fastest (1 and 0 slower);
+# with 8, 1 (3 and 0 slower); with 4, none (1 slower). 7 were no faster than 3 with 16 cores.
+CORES_PER_PROCESS, MOST_WORKERS = 4, 3
 
 
 class Workers:
@@ -85,6 +91,36 @@ class Workers:
                 log.warning("graphfuse: compile worker %d exited with %s:\n%s", i, p.returncode, tail)
             log.info("graphfuse: compile worker %d: %s (pid %d)", i, _report(self.dir / f"times-{p.pid}"), p.pid)
         self._end()
+
+
+def how_many(setting: int | str, compile: str, device_type: str, world_size: int) -> int:
+    """The compile workers Strategy.compile_workers asks for in this process: an int as it is;
+    "auto": none unless inductor compiles for CUDA (on the CPU the step's kernels run on the
+    cores the workers would take, and no CPU host was measured), else one process per
+    CORES_PER_PROCESS cores of this rank's share of the host, less this one, at most MOST_WORKERS."""
+    if setting != "auto":
+        return int(setting)
+    if compile != "inductor" or device_type != "cuda":
+        return 0
+    cores, bound = host_cores()
+    share = cores if bound else cores // local_ranks(world_size)
+    return max(0, min(MOST_WORKERS, share // CORES_PER_PROCESS - 1))
+
+
+def host_cores() -> tuple[int, bool]:
+    """The cores this process may run on, and whether that is fewer than the host has (a
+    launcher that binds each rank to cores of its own: then they are already its share)."""
+    total = os.cpu_count() or 1
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    return allowed, allowed < total
+
+
+def local_ranks(world_size: int) -> int:
+    """Ranks on this host: torchrun's LOCAL_WORLD_SIZE, else one per GPU up to the world size."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, min(world_size, torch.cuda.device_count()))
 
 
 def pool_share(n: int) -> int:

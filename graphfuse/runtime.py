@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from graphfuse import cuda_graph
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
-from graphfuse.compile_workers import Workers, warm_pool
+from graphfuse.compile_workers import Workers, how_many, warm_pool
 from graphfuse.errors import UnsupportedError
 from graphfuse.execute import arguments, backend_of, bind_tensors, compile_in_place, group_info, rebind_group, run_step
 from graphfuse.guards import ProgramCache, Snapshot, agree_to_start, batch_change, check_batch
@@ -108,9 +108,13 @@ class DistModel:
         background, while the step is captured or the program is bound."""
         self.params, self.startup = ParamState(), Phases()
         self.cuda_graphs = cuda_graph.start(self.strategy, self.model, self.world_size, backend_of(self.group, "cuda"))
-        if self.strategy.compile == "inductor":
-            warm_pool(self.strategy.compile_workers)
-        self._workers = Workers(self.strategy.compile_workers) if self.strategy.compile_workers else None
+        s, device = self.strategy, next(self.model.parameters(), torch.empty(0)).device.type
+        self.compile_workers = how_many(s.compile_workers, s.compile, device, self.world_size)
+        if s.compile_workers == "auto" and s.compile == "inductor":
+            log.info("graphfuse: compile_workers='auto': %d here (compile_workers.how_many)", self.compile_workers)
+        if s.compile == "inductor":
+            warm_pool(self.compile_workers)
+        self._workers = Workers(self.compile_workers) if self.compile_workers else None
 
     def _start(self, program: Program, key: tuple) -> None:
         with self.startup.time("bind"):
@@ -185,8 +189,8 @@ class DistModel:
         if fn is None:
             workers, self._workers = self._workers, None  # started with the DistModel: for the first compile
             with self.startup.time("inductor"):
-                if workers is None and self.strategy.compile_workers:
-                    workers = Workers(self.strategy.compile_workers)
+                if workers is None and self.compile_workers:
+                    workers = Workers(self.compile_workers)
                 fn = compile_in_place(program, arguments(program, self.tensors, leaves), workers)
             if self.cuda_graphs:  # run un-captured now, captured at this batch key's next step
                 fn = self.cuda_graphs.wrap(fn, program)

@@ -78,10 +78,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "gf.shard_optimizer: Strategy.grad_accumulation must be 1; accumulate by calling backward() "
                 "several times before step() (gradients add up in .grad and are reduced once, in step())"
             )
-        if strategy.compile_workers:
+        if strategy.compile_workers not in (0, "auto"):  # "auto": none here
             raise UnsupportedError(
                 "gf.shard_optimizer: Strategy.compile_workers cuts a whole step that gf.compile traced into pieces "
-                "compiled in several processes; the update alone compiles in this one: set compile_workers=0"
+                "compiled in several processes; the update alone compiles in this one: set compile_workers=0 (or 'auto')"
             )
         if strategy.cuda_graphs:
             raise UnsupportedError(

@@ -71,8 +71,12 @@ class Strategy:
     # Processes besides this one that compile the step with inductor at the first step: the
     # step is cut into compile_workers + 1 pieces (graphfuse/pieces.py), compiled at once and
     # handed over through inductor's on-disk caches (graphfuse/compile_workers.py). 0: one
-    # graph, compiled here. Needs compile="inductor".
-    compile_workers: int = 0
+    # graph, compiled here. An int > 0 needs compile="inductor". "auto": by the cores of this
+    # rank's share of the host, with inductor on CUDA only (compile_workers.how_many: 3 with
+    # 16 cores a rank, 1 with 8, 0 with 4 or on the CPU), chosen again in every process that
+    # compiles, also from a program file. Pieces are fused apart at their cuts: the step is
+    # close to, not bitwise with, the one compiled whole; 0 gives one graph on every machine.
+    compile_workers: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if not self.bucket_size_mb > 0:
@@ -120,9 +124,9 @@ class Strategy:
                 "set compile='inductor', or cuda_graphs=False"
             )
         w = self.compile_workers
-        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
-            raise UnsupportedError(f"Strategy.compile_workers must be an int >= 0, got {w!r}")
-        if w and self.compile != "inductor":
+        if w != "auto" and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+            raise UnsupportedError(f"Strategy.compile_workers must be an int >= 0 or 'auto', got {w!r}")
+        if w != "auto" and w and self.compile != "inductor":
             raise UnsupportedError(
                 f"Strategy.compile_workers={w} compiles the step with inductor in several processes, but "
                 f"compile={self.compile!r}; set compile='inductor', or compile_workers=0"

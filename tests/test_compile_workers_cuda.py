@@ -45,3 +45,23 @@ def test_pieces_compiled_by_workers_match_one_compile(tmp_path, monkeypatch, cap
     torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=1e-4)
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_auto_compiles_in_pieces_by_the_hosts_cores(tmp_path, monkeypatch, caplog):
+    # The default, compile_workers="auto", as on a host with 16 cores for this one rank: 3 workers.
+    from graphfuse import compile_workers as W
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(W, "host_cores", lambda: (16, False))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    batches = [(x.cuda(), y.cuda()) for x, y in synthetic_tokens(CFG, 4, 3, seed=5)]
+    ref_losses, _ = _train(0, batches, 256.0)
+    torch.manual_seed(0)
+    model = GPT(CFG).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    with caplog.at_level(logging.INFO, logger="graphfuse"):
+        dm = gf.compile(model, opt, gpt_loss, batches[0], strategy=gf.Strategy(compile="inductor"))
+        losses = torch.stack([dm(b) for b in batches])
+    assert dm.compile_workers == 3 and "compile_workers='auto': 3 here" in caplog.text, caplog.text
+    assert "piece 1 of 4 compiled here" in caplog.text, caplog.text
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=1e-4)  # pieces: close, not bitwise

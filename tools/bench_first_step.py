@@ -24,7 +24,9 @@ import tempfile
 import time
 
 import torch
-from bench_startup import add_model_flags, setup, strategy  # the start-up bench's GPT, optimizer, batch and Strategy
+
+# the start-up bench's GPT, optimizer, batch and Strategy
+from bench_startup import add_model_flags, setup, strategy, workers_arg
 from bench_step import compiled_step, loss_for  # the step bench's precisions, and its torch.compile peer
 
 VARIANTS = ("graphfuse", "graphfuse_autotuned", "torch_compile")
@@ -100,7 +102,7 @@ def main() -> None:
     add_model_flags(ap)
     ap.add_argument("--precision", choices=["fp32", "amp", "bf16master"], default="fp32", help="as tools/bench_step.py")
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="Strategy.bucket_size_mb")
-    ap.add_argument("--compile-workers", type=int, default=0, help="Strategy.compile_workers")
+    ap.add_argument("--compile-workers", type=workers_arg, default="auto", help="Strategy.compile_workers (an int, or 'auto')")
     ap.add_argument("--steps", type=int, default=20, help="timed steps after the first")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps between the first and the timed ones")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="run in this order")

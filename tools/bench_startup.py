@@ -9,8 +9,8 @@ empty inductor cache of its own). Each start also reports torch's own compile ph
     python tools/bench_startup.py --device cuda ... --precision bf16master   # the precisions of tools/bench_step.py
 
 `--compile-workers N` compiles graphfuse's step in N + 1 pieces by as many processes
-(Strategy.compile_workers). Each start's graphfuse log (its phases, and which process compiled
-which piece) is printed under it.
+(Strategy.compile_workers; default "auto", as the Strategy's: by the machine's cores). Each
+start's graphfuse log (its phases, and which process compiled which piece) is printed under it.
 
 Run where torch has its bytecode (a normal install does): where Python writes none and torch
 came without it, every process compiles torch's sources again, and compile workers, whose
@@ -53,6 +53,11 @@ def setup(args):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **kw)
     batch = tuple(x.to(args.device) for x in synthetic_tokens(cfg, args.batch, 1, seed=0)[0])
     return model, opt, batch
+
+
+def workers_arg(text: str) -> int | str:
+    """--compile-workers: an int, or "auto" (Strategy.compile_workers)."""
+    return text if text == "auto" else int(text)
 
 
 def add_model_flags(ap: argparse.ArgumentParser) -> None:
@@ -225,7 +230,8 @@ def main() -> None:
                     help="Strategy.align_buckets_to_blocks (the flag alone: true; absent: the Strategy default)")
     ap.add_argument("--precision", choices=["fp32", "amp", "bf16master"], default="fp32",
                     help="as tools/bench_step.py: fp32 (TF32 matmuls), amp (bf16 autocast forward), bf16master (bf16 parameters, fp32 master weights)")
-    ap.add_argument("--compile-workers", type=int, default=0, help="Strategy.compile_workers (processes besides the main one)")
+    ap.add_argument("--compile-workers", type=workers_arg, default="auto",
+                    help="Strategy.compile_workers: processes besides the main one, or 'auto' (the default: by the cores)")
     ap.add_argument("--start", choices=["all", "fresh", "restart", "torch_compile"], default="all")
     ap.add_argument("--starts", nargs="+", choices=["fresh", "restart", "torch_compile"], default=["fresh", "restart", "torch_compile"], help="which starts to run (restart needs fresh)")
     ap.add_argument("--program", help="program file (internal)")
