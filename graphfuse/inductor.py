@@ -38,7 +38,7 @@ COMPILE_SPEED: dict[str, object] = {
 
 # Inductor settings that shorten the first step of a whole-step program: they change the launch
 # configurations its kernels are built with, never what a kernel computes. Measured for the step
-# time on one H200 (docs/benchmarks.md, "first-step autotuning"; tools/bench_first_step.py).
+# time on one H200 (docs/benchmarks.md, "Where the first step went"; tools/bench_first_step.py).
 FIRST_STEP: dict[str, object] = {
     # A pointwise kernel gets 2 launch configurations (a tiled one 6), each one built by Triton
     # and timed at the kernel's first launch. A parameter's offset in its bucket is a constant
