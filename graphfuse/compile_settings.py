@@ -1,7 +1,9 @@
 """The compile settings a worker process (graphfuse/compile_workers.py) must share with the
 main process for its compiles to land under the cache keys the main process looks up:
-inductor's and functorch's configs, torch's precision and determinism flags and thread count
-(C++ kernels are generated for it), and inductor's cache directory."""
+inductor's and functorch's configs, the inductor settings graphfuse adds for its programs
+(graphfuse.inductor's COMPILE_SPEED and FIRST_STEP, as this process has them), torch's
+precision and determinism flags and thread count (C++ kernels are generated for it), and
+inductor's cache directory."""
 
 from __future__ import annotations
 
@@ -27,8 +29,11 @@ def settings() -> dict:
     import torch._inductor.config as config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    from graphfuse import inductor
+
     return {
         "inductor": config.save_config(),
+        "programs": {"COMPILE_SPEED": dict(inductor.COMPILE_SPEED), "FIRST_STEP": dict(inductor.FIRST_STEP)},
         "functorch": fconfig.save_config(),
         "flags": _flags(),
         "deterministic": [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()],
@@ -75,8 +80,13 @@ def apply(s: dict) -> None:
     import torch._functorch.config as fconfig
     import torch._inductor.config as config
 
+    from graphfuse import inductor
+
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = s["cache_dir"]
     config.load_config(s["inductor"])
+    # compile_graph reads these at every compile: a process that changed them (to tune pointwise
+    # kernels again, say) has its workers compile as it does, not under graphfuse's defaults.
+    inductor.COMPILE_SPEED, inductor.FIRST_STEP = dict(s["programs"]["COMPILE_SPEED"]), dict(s["programs"]["FIRST_STEP"])
     fconfig.load_config(s["functorch"])
     for key, value in s["flags"].items():  # in FLAGS' order
         owner, name = key.rsplit(".", 1)

@@ -156,6 +156,21 @@ def test_a_worker_takes_this_processs_thread_count(tmp_path):
     assert done.stdout.split() == ["1"]
 
 
+def test_a_worker_compiles_programs_with_this_processs_graphfuse_settings(tmp_path, monkeypatch):
+    """graphfuse.inductor's FIRST_STEP and COMPILE_SPEED are in the cache key (they patch
+    inductor's config): a worker with the module's defaults missed every piece of a process
+    that had changed them (tools/bench_first_step.py's autotuned variant did)."""
+    from graphfuse import inductor
+
+    monkeypatch.setattr(inductor, "FIRST_STEP", {})
+    (tmp_path / "settings.pkl").write_bytes(pickle.dumps(compile_settings.settings()))
+    code = ("import pickle, sys; from graphfuse import compile_settings, inductor; "
+            "compile_settings.apply(pickle.load(open(sys.argv[1], 'rb'))); print(inductor.FIRST_STEP, len(inductor.COMPILE_SPEED))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "settings.pkl")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["{}", str(len(inductor.COMPILE_SPEED))]
+
+
 def test_a_worker_that_never_finishes_its_piece_does_not_hang_the_step(cache, caplog, monkeypatch):
     monkeypatch.setattr(W, "WAIT_MIN_S", 1.0)
     monkeypatch.setattr(W, "WAIT_FACTOR", 0.0)
