@@ -3,9 +3,15 @@ over one traced training step (forward, backward and optimizer update)."""
 
 from __future__ import annotations
 
-from graphfuse import backend
-from graphfuse.backend import ShardedOptimizer, shard_optimizer
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from graphfuse import registration
+from graphfuse._version import __version__
 from graphfuse.capture import capture
+from graphfuse.checkpoint import Checkpointer
 from graphfuse.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -13,23 +19,52 @@ from graphfuse.errors import (
     PassContractError,
     ProgramFormatError,
     UnsupportedError,
+    VerifyError,
 )
 from graphfuse.layout import Bucket, BucketLayout
+from graphfuse.logs import install as _install_logging
+from graphfuse.metrics import StepMetrics
 from graphfuse.program import Program
 from graphfuse.program_files import load_program, save_program
 from graphfuse.runtime import DistModel
+from graphfuse.sharded_optimizer import ShardedOptimizer, shard_optimizer
 from graphfuse.signature import Signature
 from graphfuse.strategy import Strategy
 
-__version__ = "0.1.0"
+registration.register()  # backend="graphfuse" for torch.compile, also when imported from a source tree
+_install_logging()  # INFO lines on rank 0 only; GRAPHFUSE_LOG (see graphfuse.logs)
 
-backend.register()  # backend="graphfuse" for torch.compile, also when imported from a source tree
 
+def compile(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable,
+    example_batch,
+    strategy: Strategy | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> DistModel:
+    """Trace one training step of `model` (forward, backward and `optimizer`'s update) and
+    rewrite it into fused, sharded ZeRO-1 over `group`.
 
-compile = DistModel
-"""`gf.compile(model, optimizer, loss_fn, example_batch, strategy=None, group=None) -> DistModel`:
-trace one training step of `model` and rewrite it into fused, sharded ZeRO-1 over `group` (the
-default process group if initialised, else world size 1). One signature: DistModel's own."""
+    Args:
+        model: the module to train; its parameters become views into the buckets.
+        optimizer: a torch.optim optimizer over the model's parameters (docs/models.md lists
+            those supported), fresh; after this call its state_dict() and load_state_dict()
+            speak for the shards and its step() raises (docs/habits.md).
+        loss_fn: `loss_fn(model, batch) -> scalar tensor`.
+        example_batch: a pytree of tensors shaped as the batches to come.
+        strategy: the configuration (gf.Strategy()); None: the defaults.
+        group: the process group to shard over; None: the default group if initialised,
+            else world size 1.
+
+    Returns:
+        A DistModel: `dm(batch)` runs one step and returns the loss.
+
+    Raises:
+        UnsupportedError: the model, optimizer or strategy cannot be compiled (before any
+            state changes), naming the offending part and the way out.
+    """
+    return DistModel(model, optimizer, loss_fn, example_batch, strategy, group)
 
 
 def save(
@@ -61,6 +96,7 @@ __all__ = [
     "BucketLayout",
     "CheckpointError",
     "CheckpointMismatchError",
+    "Checkpointer",
     "DistModel",
     "GraphfuseError",
     "PassContractError",
@@ -68,8 +104,11 @@ __all__ = [
     "ProgramFormatError",
     "ShardedOptimizer",
     "Signature",
+    "StepMetrics",
     "Strategy",
     "UnsupportedError",
+    "VerifyError",
+    "__version__",
     "capture",
     "compile",
     "load",

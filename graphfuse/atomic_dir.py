@@ -82,11 +82,28 @@ def write_file(f: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
+def make_parents(kind: Kind, p: Path) -> None:
+    """Create the missing directories above `p` (as `mkdir -p`, and as DCP's FileSystemWriter
+    does), each flushed into its parent, so that a save into a new folder works as a user of
+    torch.distributed.checkpoint expects; an ancestor that is not a directory is refused by name."""
+    missing = []
+    for d in p.parents:
+        if d.is_dir():
+            break
+        if os.path.lexists(d):
+            raise kind.error(f"{d}: exists and is not a directory, so {p} cannot be written under it; choose another path")
+        missing.append(d)
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)  # another rank or process may create it at the same moment
+        fsync(d.parent)
+
+
 def begin(kind: Kind, staging: Path, **marker) -> None:
     """A fresh, empty staging directory holding only the marker (host, pid and `marker`), so that
     one left by a crash is recognised as graphfuse's and may be replaced."""
     kind.remove(staging)
-    staging.mkdir(parents=True)
+    make_parents(kind, staging)
+    staging.mkdir()
     write_file(staging / MARKER, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **marker}).encode())
     fsync(staging)
     fsync(staging.parent)

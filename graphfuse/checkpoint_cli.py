@@ -47,9 +47,22 @@ def file_checks(where: Path, md: Metadata, rec: record.Record | None, verify: bo
     return out
 
 
+def checkpoint_dir(path: str) -> Path:
+    """`path`, if it holds a checkpoint (told by its contents, as `graphfuse inspect` tells it);
+    else a UsageError (exit 2): a random file or a program is not a damaged checkpoint."""
+    from graphfuse.cli.inspect import kind_of
+
+    where = existing(path, "checkpoint directory")
+    kind = kind_of(where)  # a UsageError for what is neither a program nor a checkpoint
+    if kind != "checkpoint":
+        what = "a program directory" if kind == "program" else "a `graphfuse trace` output"
+        raise UsageError(f"{path}: is {what}, not a checkpoint; read it with graphfuse inspect {path}")
+    return where
+
+
 def checkpoint_facts(path: str, verify: bool = True) -> dict:
     """What `ckpt info` says about the checkpoint at `path`, JSON-ready."""
-    where = existing(path, "checkpoint directory")
+    where = checkpoint_dir(path)
     rec = record.read(where)
     md = read_dcp_metadata(where, rec.files.get(DCP_META) if rec and verify else None)
     tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -130,7 +143,7 @@ def cli_info(path: str, verify: bool = True, as_json: bool = False) -> int:
 def cli_convert(src: str, dst: str, to: str) -> int:
     """Convert an unbalanced checkpoint into a balanced one (every state in its parameter's shape).
     An existing destination is refused before any work; a failed conversion leaves nothing."""
-    existing(src, "checkpoint directory")
+    checkpoint_dir(src)
     if os.path.lexists(dst):
         raise UsageError(f"{dst}: exists; choose a new destination (nothing was written)")
     staging, _ = directory.siblings(Path(dst).absolute())

@@ -127,7 +127,7 @@ def pool_share(n: int) -> int:
     """Processes in each kernel-compile pool when n workers and this process compile at once:
     inductor's compile_threads (its default: the cores, up to 32) shared among them. On one
     H200's 16 cores, pieces compiled faster with every pool at 4 than with this process's at
-    16 (two runs on two machines: suggestive, not a measured ratio; docs/benchmarks.md)."""
+    16 (two runs on two machines: suggestive, not a measured ratio; docs/data/benchmarks-history.md)."""
     import torch._inductor.config as config
 
     return max(1, (config.compile_threads or os.cpu_count() or 1) // (n + 1))

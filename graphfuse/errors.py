@@ -24,3 +24,8 @@ class ProgramFormatError(GraphfuseError):
 class PassContractError(GraphfuseError):
     """A pass found the program it was given, or the one it made, breaking its contract (a bug
     in graphfuse or in a custom pipeline); the message names the pass and the passes before it."""
+
+
+class VerifyError(GraphfuseError):
+    """A pass produced a program that breaks an invariant (a bug in graphfuse); raised by
+    graphfuse.passes.verify, which checks every program after the passes."""

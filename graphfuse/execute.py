@@ -17,25 +17,8 @@ from graphfuse.param_state import destination
 from graphfuse.passes.graph import is_collective
 from graphfuse.passes.sharded_update import MASTER
 from graphfuse.program import Program
-
-
-def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int, str]:
-    """(group, world size, rank, group name); world size 1 with no process group."""
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 1, 0, ""
-        group = dist.group.WORLD
-    return group, dist.get_world_size(group), dist.get_rank(group), group.group_name
-
-
-def backend_of(group: dist.ProcessGroup | None, device_type: str) -> str | None:
-    """The backend that runs `group`'s collectives on `device_type` tensors (None: no group)."""
-    if group is None:
-        return None
-    backend = str(dist.get_backend(group))
-    if ":" in backend:  # a group of several backends, "cpu:gloo,cuda:nccl"
-        return dict(b.split(":", 1) for b in backend.split(",")).get(device_type)
-    return backend
+from graphfuse.ranks import backend_of as backend_of  # moved to ranks.py; importers here keep working
+from graphfuse.ranks import group_info as group_info
 
 
 def rebind_group(program: Program, group_name: str) -> Program:
@@ -113,7 +96,8 @@ def run_step(
     """Fill the host scalars of step `steps` (from each group's lr and what the previous step
     `carried`), run the program, copy every output into the input it replaces, and replace
     `carried[g]` by what this step leaves for the next (ASGD's eta). All outputs exist before
-    any state is written: a failed step changes nothing."""
+    any state is written: a failed step changes nothing. Returns the outputs written back
+    nowhere (the loss, then the gradient norm if the program clips), in signature order."""
     for g, (spec, group) in enumerate(zip(program.optim.groups, param_groups)):
         gopt.check_group_unchanged(spec, group, g)  # all groups first: a refused step writes nothing
     hyper = [(float(group["lr"]), float(group.get("weight_decay", 0.0))) for group in param_groups]
@@ -125,13 +109,27 @@ def run_step(
     # autograd records nothing.
     with torch.enable_grad():
         outs = fn(*arguments(program, tensors, per_call))
-    with torch.no_grad():
-        if not getattr(fn, "writes_in_place", False):
+    if not getattr(fn, "writes_in_place", False):
+        with torch.no_grad():
             for spec, out in zip(program.signature.outputs, outs):
                 if spec.target is not None:
                     destination(program, tensors, spec).copy_(out)
+        outs = [out for spec, out in zip(program.signature.outputs, outs) if spec.target is None]
     carried[:] = [spec.carried_after(*hyper[g], steps[g]) for g, spec in enumerate(program.optim.groups)]
     return outs
+
+
+def refresh_masters(program: Program, tensors: dict[str, torch.Tensor], fqns: set[str]) -> None:
+    """Copy the weights of `fqns` into this rank's fp32 master shards (weights loaded by a plain
+    model.load_state_dict, which the update would otherwise overwrite from the old masters)."""
+    with torch.no_grad():
+        for bucket in program.layout.buckets:
+            master = tensors.get(f"{bucket.name}.{MASTER}")
+            if master is None:
+                continue
+            for s in bucket.slices(program.rank):
+                if s.fqn in fqns:
+                    master[slice(*s.shard_range)].copy_(tensors[bucket.name][slice(*bucket.bucket_range(program.rank, s))])
 
 
 def in_place_graph(program: Program) -> torch.fx.GraphModule:

@@ -59,7 +59,9 @@ class Snapshot:
     """What the compiled step assumes about the model and optimizer; `check` raises
     UnsupportedError naming the first difference and the way out."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, how: str = "gf.compile") -> None:
+        self.how = how  # what bound the parameters: gf.compile, or gf.shard_optimizer (whose forward is not traced)
+        self.rebuild = REBUILD if how == "gf.compile" else f"build a new optimizer with {how}(..., model=model)"
         self.optimizer = optimizer
         self.slots = [
             _Slot(f"{prefix}.{name}" if prefix else name, module, name, p, p.data_ptr(), p.dtype, p.requires_grad)
@@ -78,26 +80,27 @@ class Snapshot:
 
     def check(self) -> None:
         self._check_optimizer()
-        self._check_mode()
+        if self.how == "gf.compile":
+            self._check_mode()
         for s in self.slots:
             p = s.module._parameters.get(s.name)
             if p is not s.param:
                 raise UnsupportedError(
-                    f"parameter {s.fqn} was replaced by another tensor after gf.compile (model.load_state_dict("
+                    f"parameter {s.fqn} was replaced by another tensor after {self.how} (model.load_state_dict("
                     "assign=True), or a new nn.Parameter assigned), so the compiled step no longer trains the model's "
-                    f"parameter; load weights in place (model.load_state_dict without assign, or dm.load_state_dict), or {REBUILD}"
+                    f"parameter; load weights in place (model.load_state_dict without assign, or dm.load_state_dict), or {self.rebuild}"
                 )
             if p.dtype != s.dtype or p.data_ptr() != s.data_ptr:
                 raise UnsupportedError(
-                    f"parameter {s.fqn} no longer views its bucket: its data was replaced after gf.compile "
+                    f"parameter {s.fqn} no longer views its bucket: its data was replaced after {self.how} "
                     f"({_was(s.dtype, p.dtype)}model.double(), .to(), .half() or `p.data = ...`), so the model would stop "
-                    f"showing the trained weights; convert the model before gf.compile, or {REBUILD}"
+                    f"showing the trained weights; move or convert the model before {self.how}, or {self.rebuild}"
                 )
             if p.requires_grad != s.requires_grad and id(p) in self.optimized:
                 raise UnsupportedError(
                     f"parameter {s.fqn}: requires_grad changed from {s.requires_grad} to {p.requires_grad} after "
-                    "gf.compile (freezing or unfreezing); its place in the buckets and the update were traced with "
-                    f"the old value. Set requires_grad before gf.compile, or {REBUILD}"
+                    f"{self.how} (freezing or unfreezing); its place in the buckets and the update were traced with "
+                    f"the old value. Set requires_grad before {self.how}, or {self.rebuild}"
                 )
 
     def _check_optimizer(self) -> None:
@@ -106,15 +109,15 @@ class Snapshot:
             a is not b for a, b in zip(opt.param_groups, self.groups)
         ):
             raise UnsupportedError(
-                f"{name}.param_groups or its state were replaced after gf.compile (optimizer.load_state_dict?); "
-                "graphfuse keeps the optimizer state in its own shards and would ignore it. Load optimizer state "
-                f"before gf.compile, or restore it with dm.load_state_dict / gf.load; else {REBUILD}"
+                f"{name}.param_groups or its state were replaced after {self.how} (assigned a new object); "
+                "graphfuse keeps the optimizer state in its own shards and would ignore it. Restore optimizer "
+                f"state with optimizer.load_state_dict or gf.load, which load into the shards; else {self.rebuild}"
             )
         if len(opt.param_groups) != len(self.groups):
             what = "added (add_param_group)" if len(opt.param_groups) > len(self.groups) else "removed (param_groups.pop())"
             raise UnsupportedError(
-                f"{name} has {len(opt.param_groups)} param groups, {len(self.groups)} when gf.compile traced it: "
-                f"a group was {what}, which the compiled update would ignore; {REBUILD}"
+                f"{name} has {len(opt.param_groups)} param groups, {len(self.groups)} when {self.how} traced it: "
+                f"a group was {what}, which the compiled update would ignore; {self.rebuild}"
             )
         for g, (group, ids) in enumerate(zip(opt.param_groups, self.params)):
             now = list(map(id, group["params"]))
@@ -122,8 +125,8 @@ class Snapshot:
                 gone = [self.fqn.get(i, "?") for i in ids if i not in set(now)]
                 new = [self.fqn.get(i, "a tensor not in the model") for i in now if i not in set(ids)]
                 raise UnsupportedError(
-                    f"{name} param group {g} changed after gf.compile (removed: {gone or 'none'}; added: "
-                    f"{new or 'none'}; else reordered); the compiled update still covers the old list. {REBUILD}"
+                    f"{name} param group {g} changed after {self.how} (removed: {gone or 'none'}; added: "
+                    f"{new or 'none'}; else reordered); the compiled update still covers the old list. {self.rebuild}"
                 )
 
 

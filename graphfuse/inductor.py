@@ -25,8 +25,8 @@ WORKAROUNDS: dict[str, object] = {
 
 # Inductor settings that shorten the compile of a whole-step program and leave its generated
 # code as it was (checked: the same output code with and without, for GPT-2 small on one H200
-# and for a 12-layer GPT on the CPU; docs/benchmarks.md). Not used for the torch.compile backend's
-# graphs, where that was not checked.
+# and for a 12-layer GPT on the CPU; docs/data/benchmarks-history.md, "Fusion search"). Not used
+# for the torch.compile backend's graphs, where that was not checked.
 COMPILE_SPEED: dict[str, object] = {
     # Inductor looks for fusions among the nodes that read one buffer, up to this many pairs per
     # node (default 64). Every parameter read is a view of its bucket, so one buffer has hundreds

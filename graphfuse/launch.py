@@ -147,7 +147,19 @@ def run_ranks(fn: Callable, world_size: int, *args, backend: str = "gloo", threa
     failures = [o for o in outcomes.values() if not o.ok]
     if failures:
         raise RankFailure(*root_cause(failures), silent=[r for r in range(world_size) if r not in outcomes])
+    _check_clean_exits(procs)
     return [outcomes[r].value for r in range(world_size)]
+
+
+def _check_clean_exits(procs: list) -> None:
+    """A rank that returned its result must then exit with code 0: a scheduler or torchrun marks a
+    job failed by its exit code. An abort at exit (-6) is what Gloo's threads do when a process
+    group outlives destroy_process_group() (issue 30); a rank still running 30 s on hung at exit."""
+    for r, p in enumerate(procs):
+        if p.exitcode != 0:
+            why = "killed after 30 s: it hung at exit" if p.exitcode == -signal.SIGKILL else "an abort at exit if -6 (SIGABRT)"
+            text = f"returned its result, then exited with code {p.exitcode} ({why})"
+            raise RankFailure(Outcome(r, False, text, time.time()), [])
 
 
 def _collect(procs: list, queue, timeout: float, outcomes: dict[int, Outcome]) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from graphfuse.errors import UnsupportedError
+from graphfuse.habits import ShardedState
 from graphfuse.optimizers import BOOL_SCALARS, CLASSES, RULES
 
 __all__ = ["BOOL_SCALARS", "GroupSpec", "OptimSpec", "describe_optimizer", "check_group_unchanged", "update"]
@@ -158,6 +159,8 @@ def _check_fresh(optimizer: torch.optim.Optimizer, cls_name: str) -> None:
                 "Adagrad(initial_accumulator_value != 0) is not supported: graphfuse's optimizer states start "
                 "at zero; use initial_accumulator_value=0"
             )
+    if isinstance(optimizer.state, ShardedState):  # its owner's shards hold the state (re-captured by it)
+        return
     for state in optimizer.state.values():
         fresh = cls_name == "Adagrad" and float(state.get("step", 0)) == 0 and not state.get("sum", torch.zeros(())).any()
         if len(state) and not fresh:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -14,12 +15,24 @@ from graphfuse import cuda_graph
 from graphfuse.capture import batch_key, capture, flatten_batch, program_batch_key
 from graphfuse.compile_workers import Workers, how_many, warm_pool
 from graphfuse.errors import UnsupportedError
-from graphfuse.execute import arguments, backend_of, bind_tensors, compile_in_place, group_info, rebind_group, run_step
+from graphfuse.execute import (
+    arguments,
+    backend_of,
+    bind_tensors,
+    compile_in_place,
+    group_info,
+    rebind_group,
+    refresh_masters,
+    run_step,
+)
 from graphfuse.guards import ProgramCache, Snapshot, agree_to_start, batch_change, check_batch
+from graphfuse.habits import check_unowned, hook_model, route_optimizer
 from graphfuse.layout import BucketLayout
+from graphfuse.metrics import StepMetrics, measure
 from graphfuse.param_state import ParamState, gather_shards
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.program import Program
+from graphfuse.ranks import HeldGroup, refuse_alone
 from graphfuse.startup import Phases
 from graphfuse.strategy import Strategy
 
@@ -31,8 +44,13 @@ class DistModel:
 
     `dm(batch)` runs one step and returns the loss. The model's parameters are views into
     the buckets, so the model always shows the current weights; the learning rate (and
-    AdamW's weight decay) are read from `optimizer.param_groups` at every step.
+    AdamW's weight decay) are read from `optimizer.param_groups` at every step. After a step,
+    `grad_norm` holds its global gradient norm (with Strategy.max_grad_norm) and `metrics` its
+    `StepMetrics`. The user's optimizer speaks for the state held here (graphfuse/habits.py):
+    its `state_dict()` gathers it, its `load_state_dict()` loads into it, its `step()` raises.
     """
+
+    group = HeldGroup()  # weakly: destroy_process_group() destroys it (graphfuse/ranks.py)
 
     def __init__(
         self,
@@ -43,6 +61,8 @@ class DistModel:
         strategy: Strategy | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        check_unowned(optimizer, "gf.compile")
+        refuse_alone(group, "gf.compile")  # WORLD_SIZE > 1 with no process group: not alone by accident
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = next(model.parameters(), torch.empty(0)).device.type
@@ -119,7 +139,12 @@ class DistModel:
     def _start(self, program: Program, key: tuple) -> None:
         with self.startup.time("bind"):
             self._bind(program)
+        route_optimizer(self.optimizer, self, "gf.compile")  # the user's optimizer speaks for the shards
+        hook_model(self)
         self._snapshot = Snapshot(self.model, self.optimizer)  # checked at every step: changes are not ignored
+        self.grad_norm: torch.Tensor | None = None
+        self.metrics: StepMetrics | None = None
+        self._last_call: float | None = None
         self.steps = [0] * len(program.optim.groups)
         self.carried: list[dict[str, float]] = [{} for _ in program.optim.groups]  # see execute.run_step
         self.program = program
@@ -183,6 +208,7 @@ class DistModel:
         return entry
 
     def __call__(self, batch) -> torch.Tensor:
+        called = time.perf_counter()
         self._snapshot.check()
         key, leaves = flatten_batch(batch)
         program, fn = self._program_for(batch, key)
@@ -204,6 +230,9 @@ class DistModel:
         self.steps = steps
         self.params.stale = self.params.deferred  # other ranks' ranges of the buckets are a step old
         self.optimizer._opt_called = True  # the optimizer has stepped: LR schedulers check this
+        self.grad_norm = outs[1] if len(outs) > 1 else None  # the clip pass returns it after the loss
+        self.metrics = measure(steps[0], called, self._last_call, leaves, self.grad_norm)
+        self._last_call = called
         return outs[0]
 
     step = __call__
@@ -214,14 +243,25 @@ class DistModel:
         from graphfuse import checkpoint
 
         self.sync()
-        return checkpoint.state_dict(self, mode)
+        return checkpoint.state_dict(self, mode, whole_weights=True)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Copy `state_dict` into the live buffers, after validating all of it."""
+        """Copy `state_dict` into the live buffers, after validating all of it: one from
+        `state_dict(mode)` of any mode, a plain {"model", "optim"} of full tensors, or the
+        optimizer alone in torch.optim's form (by index or FQN; the weights stay as they are)."""
         from graphfuse import checkpoint
+        from graphfuse.torch_state import load_torch_form
 
-        checkpoint.load_state_dict(self, state_dict)
+        if "state" in state_dict and "param_groups" in state_dict:
+            load_torch_form(self, state_dict)
+        else:
+            checkpoint.load_state_dict(self, state_dict)
         self.loaded()
+
+    def weights_loaded(self, fqns: set[str]) -> None:
+        """The model's own load_state_dict wrote the weights of `fqns` into the buckets: the fp32
+        master shards follow, or the next update would overwrite the loaded weights."""
+        refresh_masters(self.program, self.tensors, fqns)
 
     # ---- views ----------------------------------------------------------------------
     def named_slices(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -15,9 +15,13 @@ from graphfuse import signature as sig
 from graphfuse.backward_rewrite import SHARD_SUFFIX, ShardInputs, drop_unused_gradients
 from graphfuse.errors import UnsupportedError
 from graphfuse.execute import arguments, backend_of, bind_tensors, compile_in_place, group_info, run_step
+from graphfuse.grad_shards import clip_shards, reduce_scatter_grads
+from graphfuse.guards import Snapshot
+from graphfuse.habits import ShardedState, check_unowned, refuse_add_param_group, route_optimizer
 from graphfuse.layout import BucketLayout
 from graphfuse.passes import PIPELINE, reduce_scatter, run_pipeline, verify
 from graphfuse.program import Program
+from graphfuse.ranks import HeldGroup, refuse_alone
 from graphfuse.strategy import Strategy
 from graphfuse.torch_state import TORCH_MODE, load_torch_form, torch_form
 from graphfuse.update_program import capture_update
@@ -52,6 +56,26 @@ def named_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
     return {fqn[id(p)]: p for p in params}
 
 
+def _checked(strategy: Strategy) -> Strategy:
+    """`strategy`, refused where it asks for what only gf.compile's whole traced step can do."""
+    if strategy.grad_accumulation != 1:
+        raise UnsupportedError(
+            "gf.shard_optimizer: Strategy.grad_accumulation must be 1; accumulate by calling backward() "
+            "several times before step() (gradients add up in .grad and are reduced once, in step())"
+        )
+    if strategy.compile_workers not in (0, "auto"):  # "auto": none here
+        raise UnsupportedError(
+            "gf.shard_optimizer: Strategy.compile_workers cuts a whole step that gf.compile traced into pieces "
+            "compiled in several processes; the update alone compiles in this one: set compile_workers=0 (or 'auto')"
+        )
+    if strategy.cuda_graphs:
+        raise UnsupportedError(
+            "gf.shard_optimizer: Strategy.cuda_graphs replays a whole step that gf.compile traced (forward, backward "
+            "and update) and is not supported here; use gf.compile, or set cuda_graphs=False"
+        )
+    return strategy
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO-1 over fused buckets for a backward computed outside graphfuse.
 
@@ -63,6 +87,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     parameters become views into the buckets, so the model always shows the current weights.
     """
 
+    group = HeldGroup()  # weakly: destroy_process_group() destroys it (graphfuse/ranks.py)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -72,26 +98,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         model: torch.nn.Module | None = None,
         reduce_in_backward: bool = True,
     ) -> None:
-        strategy = strategy or Strategy()
-        if strategy.grad_accumulation != 1:
-            raise UnsupportedError(
-                "gf.shard_optimizer: Strategy.grad_accumulation must be 1; accumulate by calling backward() "
-                "several times before step() (gradients add up in .grad and are reduced once, in step())"
-            )
-        if strategy.compile_workers not in (0, "auto"):  # "auto": none here
-            raise UnsupportedError(
-                "gf.shard_optimizer: Strategy.compile_workers cuts a whole step that gf.compile traced into pieces "
-                "compiled in several processes; the update alone compiles in this one: set compile_workers=0 (or 'auto')"
-            )
-        if strategy.cuda_graphs:
-            raise UnsupportedError(
-                "gf.shard_optimizer: Strategy.cuda_graphs replays a whole step that gf.compile traced (forward, backward "
-                "and update) and is not supported here; use gf.compile, or set cuda_graphs=False"
-            )
+        check_unowned(optimizer, "gf.shard_optimizer")
+        refuse_alone(group, "gf.shard_optimizer")  # WORLD_SIZE > 1 with no process group: not alone by accident
+        strategy = _checked(strategy or Strategy())
         self.params = named_params(optimizer, model)
         super().__init__(list(self.params.values()), dict(optimizer.defaults))
         self.optimizer = optimizer
         self.param_groups = optimizer.param_groups  # shared: schedulers on either object act on both
+        self.state = ShardedState([p for p in self.params.values() if p.requires_grad], self)
         self.model = model if model is not None else _Params(self.params)
         self.group, self.world_size, self.rank, self.group_name = group_info(group)
         device = self.param_groups[0]["params"][0].device.type
@@ -120,6 +134,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.backward_graphs: list = []  # (backward GraphModule, buckets it reduces), for inspection
         self.last_reductions: dict[str, int] = {}  # bucket -> reductions in the last step
         OPTIMIZERS[:] = [r for r in OPTIMIZERS if r() is not None] + [weakref.ref(self)]
+        route_optimizer(optimizer, self, "gf.shard_optimizer")  # the wrapped optimizer's own calls reach these shards
+        self._snapshot = Snapshot(self.model, optimizer, "gf.shard_optimizer")  # a moved or copied parameter is refused
 
     @property
     def layout(self) -> BucketLayout:
@@ -173,6 +189,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None):
         """One fused, sharded update from the gradients (and the shards a compiled backward
         made); returns `closure()`'s loss."""
+        self._snapshot.check()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -191,6 +208,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer._opt_called = True  # the wrapped optimizer has stepped: its LR schedulers check this
         return loss
 
+    def add_param_group(self, param_group: dict) -> None:
+        if "program" in self.__dict__:  # torch.optim's __init__ adds the groups it was given
+            refuse_add_param_group("gf.shard_optimizer")(self, param_group)
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the coming `step()` by their global norm across every rank
+        (FSDP's `clip_grad_norm_` convention) and return that norm (a 0-d fp32 tensor, on every
+        rank). Call it between the backward and `step()`, on every rank (a collective): it
+        reduce-scatters the gradients now, as step() would (each parameter's `.grad` is None
+        after it; the averaged shards wait for step()), and scales the shards by
+        min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does."""
+        pending = [b for b in self.layout.buckets if b.index not in self._shards]
+        grads = {}
+        for b in pending:
+            for fqn in b.fqns:
+                g = self.params[fqn].grad
+                if g is None:
+                    raise UnsupportedError(
+                        f"clip_grad_norm_: parameter {fqn} (shape {tuple(self.params[fqn].shape)}) has no gradient; "
+                        "call it after the backward, before step()"
+                    )
+                grads[fqn] = g
+        dtype = self.strategy.master_dtype
+        shards = reduce_scatter_grads(self.layout, grads, pending, dtype, self.group, self.group_name)
+        self.receive_shards([b.index for b in pending], shards)
+        for fqn in grads:
+            self.params[fqn].grad = None
+        return clip_shards(list(self._shards.values()), max_norm, norm_type, self.group)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._shards, self._received = {}, {}
         for p in self.params.values():
@@ -201,15 +249,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self, mode: str | None = None) -> dict:
-        """The training state (the weights live in this optimizer's buckets) in checkpoint
-        `mode`, as views (default: strategy.checkpoint_mode; see gf.DistModel.state_dict), or,
-        with mode="torch", the optimizer alone as full tensors keyed by FQN: {"state",
-        "param_groups"}, the form get_optimizer_state_dict(..., full_state_dict=True) returns."""
+        """With no `mode`, what torch.optim's `state_dict()` returns: {"state", "param_groups"}
+        keyed by parameter index, the state gathered whole (what DCP's get_state_dict,
+        accelerate and torch.save habits read). With mode="torch", the same keyed by FQN, the
+        form get_optimizer_state_dict(..., full_state_dict=True) returns. Both are collectives:
+        call them on every rank. With "balanced" or "unbalanced", the whole training state (the
+        weights live in this optimizer's buckets) in that checkpoint mode, as views of this
+        rank's shards (see gf.DistModel.state_dict): the in-memory form of gf.save."""
+        if mode is None:
+            return torch_form(self, by_index=True)
         if mode == TORCH_MODE:
             return torch_form(self)
         from graphfuse import checkpoint
 
-        return checkpoint.state_dict(self, mode)
+        return checkpoint.state_dict(self, mode, whole_weights=True)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy `state_dict` into the live buffers after validating all of it: one from
@@ -223,11 +276,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
         checkpoint.load_state_dict(self, state_dict)
 
 
-shard_optimizer = ShardedOptimizer
-"""`gf.shard_optimizer(optimizer, strategy=None, group=None, *, model=None, reduce_in_backward=True)`:
-the optimizer for a backward computed outside graphfuse (eager, or `torch.compile(model,
-backend="graphfuse")`): a fused, sharded ZeRO-1 step over `group` (the default process group if
-initialised, else world size 1). `model` names the parameters by FQN in the layout and
-checkpoints (param0, param1, ... without it). `reduce_in_backward`: a model compiled with
-backend="graphfuse" reduce-scatters each bucket inside its backward (False: every bucket in
-step(), as for an eager model). One signature: ShardedOptimizer's own."""
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer,
+    strategy: Strategy | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    model: torch.nn.Module | None = None,
+    reduce_in_backward: bool = True,
+) -> ShardedOptimizer:
+    """The optimizer for a backward computed outside graphfuse (eager, or
+    `torch.compile(model, backend="graphfuse")`): a fused, sharded ZeRO-1 step over `group`.
+
+    Args:
+        optimizer: a fresh torch.optim optimizer (docs/models.md); afterwards its own step()
+            raises and its state_dict()/load_state_dict() reach the shards (docs/habits.md).
+        strategy: the configuration (gf.Strategy()); None: the defaults.
+        group: the process group; None: the default group if initialised, else world size 1.
+        model: names the parameters by FQN in the layout and checkpoints (param0, param1, ...
+            without it); needed by the graphfuse backend.
+        reduce_in_backward: a model compiled with backend="graphfuse" reduce-scatters each
+            bucket inside its backward (False: every bucket in step(), as for an eager model).
+
+    Returns:
+        A ShardedOptimizer (a torch.optim.Optimizer): step(), zero_grad(), clip_grad_norm_(),
+        state_dict() and load_state_dict().
+
+    Raises:
+        UnsupportedError: the optimizer or strategy is not supported, naming the way out.
+    """
+    return ShardedOptimizer(optimizer, strategy, group, model=model, reduce_in_backward=reduce_in_backward)

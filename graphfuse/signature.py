@@ -19,15 +19,17 @@ BUCKET = "bucket"  # a flat parameter bucket (name "bucket<b>"), after fusion
 SHARD = "shard"  # this rank's shard of a bucket's state (name "bucket<b>.<state>")
 INPUT_ROLES = (PARAM, FROZEN, BUFFER, STATE, SCALAR, BATCH, GRAD, BUCKET, SHARD)
 
-# Output roles; every output but the loss names the input it replaces (`target`).
+# Output roles; every output but the loss and the gradient norm names the input it replaces (`target`).
 LOSS = "loss"
+GRAD_NORM = "grad_norm"  # the global gradient norm before clipping (Strategy.max_grad_norm)
 NEW_PARAM = "new_param"
 NEW_STATE = "new_state"
 NEW_BUFFER = "new_buffer"
 NEW_BUCKET = "new_bucket"
 NEW_SHARD = "new_shard"
 NEW_BUCKET_SHARD = "new_bucket_shard"  # this rank's shard of a bucket, written into that range of it (deferred all-gather)
-OUTPUT_ROLES = (LOSS, NEW_PARAM, NEW_STATE, NEW_BUFFER, NEW_BUCKET, NEW_SHARD, NEW_BUCKET_SHARD)
+OUTPUT_ROLES = (LOSS, GRAD_NORM, NEW_PARAM, NEW_STATE, NEW_BUFFER, NEW_BUCKET, NEW_SHARD, NEW_BUCKET_SHARD)
+RESULT_ROLES = (LOSS, GRAD_NORM)  # outputs returned to the caller, written back nowhere
 
 # Node phases (node.meta["phase"]).
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"

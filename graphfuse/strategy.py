@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from graphfuse.errors import UnsupportedError
 
-CHECKPOINT_MODES = ("unbalanced", "balanced")
-COMPILE_MODES = ("eager", "inductor")
+CheckpointMode = Literal["unbalanced", "balanced"]
+CompileMode = Literal["eager", "inductor"]
 MASTER_DTYPES = (None, torch.float32)
 # Collectives in flight per backend when Strategy.max_inflight_collectives is "auto". Gloo
 # crashed (SIGSEGV, heap corruption, livelock) with several collectives in flight on torch
@@ -29,54 +29,60 @@ class Strategy:
     """
 
     bucket_size_mb: float = 256.0
+    """Cap on a bucket's padded size in MiB (Paddle: comm_buffer_size_MB); a larger parameter gets a bucket of its own."""
     align_bytes: int = 256
-    checkpoint_mode: str = "unbalanced"
+    """Every parameter starts on this byte boundary in its bucket (a power of two); padding is zero."""
+    checkpoint_mode: CheckpointMode = "unbalanced"
+    """The default mode of gf.save and state_dict: "unbalanced" (each rank's fused shards, same world size
+    and layout only) or "balanced" (every parameter in its own shape: any world size, plain PyTorch)."""
     overlap: bool = True
+    """Issue each collective as soon as its input exists and wait for it as late as possible (passes/overlap.py)."""
     master_dtype: torch.dtype | None = None
+    """torch.float32: fp32 master shards for bf16/fp16 parameters (gradients averaged in fp32); None: none."""
     grad_accumulation: int = 1
+    """Micro-batches per step in gf.compile (the batch's leading dimension is split); gradients reduced once."""
     max_grad_norm: float | None = None
-    compile: str = "eager"
-    # At most this many collectives issued and not yet waited for (the overlap pass waits for
-    # the oldest earlier when a new one would exceed it); None: no bound. "auto": chosen by the
-    # runtime from the process group's backend (INFLIGHT_BY_BACKEND); a program built without
-    # a runtime keeps no bound.
+    """Clip gradients by their global norm across shards (as torch.nn.utils.clip_grad_norm_); the norm
+    before clipping is then DistModel.grad_norm. None: no clipping."""
+    compile: CompileMode = "eager"
+    """How the program runs: "eager" (the FX graph as it is, bitwise with eager PyTorch where the math is
+    the same) or "inductor" (compiled, writing buckets and shards in place)."""
     max_inflight_collectives: int | None | Literal["auto"] = "auto"
-    # Programs traced for distinct batch keys (shapes, dtypes, non-tensor leaf values) kept at
-    # once, least recently used dropped first, with a warning.
+    """At most this many collectives issued and not yet waited for (the overlap pass waits for the oldest
+    earlier when a new one would exceed it); None: no bound. "auto": chosen by the runtime from the process
+    group's backend (INFLIGHT_BY_BACKEND); a program built without a runtime keeps no bound."""
     program_cache_size: int = 8
-    # Copy each collective's input to the host and its result back (passes/stage_on_host.py).
-    # "auto": on for a Gloo group over CUDA tensors (ranks sharing one GPU, where NCCL refuses
-    # two ranks and Gloo's functional collectives on CUDA tensors crashed on torch 2.11), off
-    # otherwise and for a program built without a runtime.
+    """Programs traced for distinct batch keys (shapes, dtypes, non-tensor leaf values) kept at once, least
+    recently used dropped first, with a warning."""
     stage_collectives_on_host: bool | Literal["auto"] = "auto"
-    # Defer each bucket's parameter all-gather to the head of the next step, waited for just
-    # before the bucket's first use in the forward (passes/defer_gather.py): the step ends with
-    # the updated shards and the model's views of other ranks' shards are one step old until
-    # `DistModel.sync()`. "auto": on for NCCL (collectives overlap compute), off for Gloo (one
-    # collective in flight: the gathers would run back to back at the head) and without a
-    # runtime. Default False until GPU measurements (docs/benchmarks.md) decide.
+    """Copy each collective's input to the host and its result back (passes/stage_on_host.py). "auto": on
+    for a Gloo group over CUDA tensors (ranks sharing one GPU, where NCCL refuses two ranks and Gloo's
+    functional collectives on CUDA tensors crashed on torch 2.11), off otherwise and without a runtime."""
     overlap_param_gather: bool | Literal["auto"] = False
-    # Experimental: replay the whole inductor-compiled step from one CUDA graph per traced batch
-    # key (graphfuse/cuda_graph.py), for steps bound by kernel launches (small models). Needs
-    # compile="inductor", the model on one CUDA device and, above one rank, an NCCL group.
+    """Defer each bucket's parameter all-gather to the head of the next step, waited for just before the
+    bucket's first use in the forward (passes/defer_gather.py): the step ends with the updated shards and
+    the model's views of other ranks' shards are one step old until `DistModel.sync()`. "auto": on for NCCL
+    (collectives overlap compute), off for Gloo (one collective in flight: the gathers would run back to
+    back at the head) and without a runtime. Default False until GPU measurements (docs/benchmarks.md) decide."""
     cuda_graphs: bool = False
-    # Give each repeated block (the first numbered module of an FQN, e.g. transformer layer
-    # "h.3") buckets of its own, split by bucket_size_mb where larger: identical blocks then lie
-    # at identical bucket offsets and inductor compiles their kernels once instead of once per
-    # block (graphfuse/layout.py). More buckets (one or more per block). "auto": only blocks
-    # that repeat and hold at least 1 MiB (graphfuse/blocks.py). Off: on one H200 it did not
-    # shorten the start and made the step 6% slower; it pays when compiling on few CPU cores
-    # (docs/benchmarks.md).
+    """Experimental: replay the whole inductor-compiled step from one CUDA graph per traced batch key
+    (graphfuse/cuda_graph.py), for steps bound by kernel launches (small models). Needs compile="inductor",
+    the model on one CUDA device and, above one rank, an NCCL group."""
     align_buckets_to_blocks: bool | Literal["auto"] = False
-    # Processes besides this one that compile the step with inductor at the first step: the
-    # step is cut into compile_workers + 1 pieces (graphfuse/pieces.py), compiled at once and
-    # handed over through inductor's on-disk caches (graphfuse/compile_workers.py). 0: one
-    # graph, compiled here. An int > 0 needs compile="inductor". "auto": by the cores of this
-    # rank's share of the host, with inductor on CUDA only (compile_workers.how_many: 3 with
-    # 16 cores a rank, 1 with 8, 0 with 4 or on the CPU), chosen again in every process that
-    # compiles, also from a program file. Pieces are fused apart at their cuts: the step is
-    # close to, not bitwise with, the one compiled whole; 0 gives one graph on every machine.
+    """Give each repeated block (the first numbered module of an FQN, e.g. transformer layer "h.3") buckets
+    of its own, split by bucket_size_mb where larger: identical blocks then lie at identical bucket offsets
+    and inductor compiles their kernels once instead of once per block (graphfuse/layout.py). More buckets.
+    "auto": only blocks that repeat and hold at least 1 MiB (graphfuse/blocks.py). Off: on one H200 it did
+    not shorten the start and made the step 6% slower (GPT-2 small, 25 MB buckets, one run); it pays when
+    compiling on few CPU cores (docs/benchmarks.md)."""
     compile_workers: int | Literal["auto"] = "auto"
+    """Processes besides this one that compile the step with inductor at the first step: the step is cut
+    into compile_workers + 1 pieces (graphfuse/pieces.py), compiled at once and handed over through
+    inductor's on-disk caches (graphfuse/compile_workers.py). 0: one graph, compiled here. An int > 0 needs
+    compile="inductor". "auto": by the cores of this rank's share of the host, with inductor on CUDA only
+    (compile_workers.how_many: 3 with 16 cores a rank, 1 with 8, 0 with 4 or on the CPU), chosen again in
+    every process that compiles, also from a program file. Pieces are fused apart at their cuts: the step
+    is close to, not bitwise with, the one compiled whole; 0 gives one graph on every machine."""
 
     def __post_init__(self) -> None:
         if not self.bucket_size_mb > 0:
@@ -84,9 +90,9 @@ class Strategy:
         a = self.align_bytes
         if not isinstance(a, int) or a <= 0 or a & (a - 1):
             raise UnsupportedError(f"Strategy.align_bytes must be a power of two, got {a!r}")
-        if self.checkpoint_mode not in CHECKPOINT_MODES:
+        if self.checkpoint_mode not in get_args(CheckpointMode):
             raise UnsupportedError(
-                f"Strategy.checkpoint_mode={self.checkpoint_mode!r}; choose one of {CHECKPOINT_MODES}"
+                f"Strategy.checkpoint_mode={self.checkpoint_mode!r}; choose one of {get_args(CheckpointMode)}"
             )
         if self.master_dtype not in MASTER_DTYPES:
             raise UnsupportedError(
@@ -98,8 +104,8 @@ class Strategy:
             )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise UnsupportedError(f"Strategy.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        if self.compile not in COMPILE_MODES:
-            raise UnsupportedError(f"Strategy.compile={self.compile!r}; choose one of {COMPILE_MODES}")
+        if self.compile not in get_args(CompileMode):
+            raise UnsupportedError(f"Strategy.compile={self.compile!r}; choose one of {get_args(CompileMode)}")
         k = self.max_inflight_collectives
         if not (k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
             raise UnsupportedError(f"Strategy.max_inflight_collectives must be an int >= 1, None or 'auto', got {k!r}")

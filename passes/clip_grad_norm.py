@@ -10,7 +10,7 @@ from graphfuse import signature as sig
 from graphfuse.program import Program
 
 from ._contract import expect
-from .graph import c10d, call
+from .graph import c10d, call, outputs, set_outputs
 
 NAME = "clip_grad_norm"
 NEEDS = ("grad_shards",)
@@ -44,6 +44,8 @@ def run(program: Program) -> Program:
         coef = call(graph, torch.ops.aten.mul.Tensor, coef, max_norm, phase=sig.OPTIMIZER)
         coef = call(graph, torch.ops.aten.clamp_max.default, coef, 1.0, phase=sig.OPTIMIZER)
         scaled = tuple(call(graph, torch.ops.aten.mul.Tensor, s, coef, phase=sig.OPTIMIZER) for s in shards)
+    # The norm is returned with the loss (DistModel.grad_norm): a trainer logs it without a collective of its own.
+    program = set_outputs(program, outputs(program) + [(sig.OutputSpec(sig.GRAD_NORM, "grad_norm"), norm)])
     return program.handing_off(grad_shards=scaled)
 
 
@@ -53,3 +55,5 @@ def ensures(program: Program) -> None:
     expect(program, NAME, n == expected, f"{expected} all-reduce for the global norm at world size {program.layout.world_size}, found {n}")
     scaled = all(s.target is torch.ops.aten.mul.Tensor for s in program.handoffs.grad_shards)
     expect(program, NAME, scaled, "every gradient shard handed on to be the scaled one")
+    norms = program.signature.output_names(sig.GRAD_NORM)
+    expect(program, NAME, norms == ["grad_norm"], f"one grad_norm output, found {norms}")

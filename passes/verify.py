@@ -10,14 +10,10 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphfuse import signature as sig
-from graphfuse.errors import GraphfuseError
+from graphfuse.errors import VerifyError
 from graphfuse.program import Program
 
 from .graph import placeholders
-
-
-class VerifyError(GraphfuseError):
-    """A pass produced a program that breaks an invariant (a bug in graphfuse)."""
 
 
 def fake_inputs(program: Program, mode: FakeTensorMode) -> list[torch.Tensor]:
@@ -56,8 +52,8 @@ def verify(program: Program, propagate: bool = True) -> Program:
     if len(outs) != len(program.signature.outputs):
         raise VerifyError(f"{len(outs)} outputs for {len(program.signature.outputs)} output specs")
     for spec in program.signature.outputs:
-        if (spec.role == sig.LOSS) != (spec.target is None):
-            raise VerifyError(f"output {spec.name}: only the loss has no target")
+        if (spec.role in sig.RESULT_ROLES) != (spec.target is None):
+            raise VerifyError(f"output {spec.name}: only the loss and the gradient norm have no target")
         if spec.target is not None and spec.target not in program.inputs_meta:
             raise VerifyError(f"output {spec.name} targets {spec.target}, which is not an input")
     node_names = {n.name for n in graph.nodes}

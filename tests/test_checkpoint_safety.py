@@ -98,6 +98,20 @@ def test_save_refuses_a_file_and_replaces_its_own_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "empty", "file"]
 
 
+def test_save_creates_missing_parent_directories_as_dcp_does(tmp_path):
+    """As torch.distributed.checkpoint's FileSystemWriter: `mkdir -p` of the parent; an
+    ancestor that is a file is refused by name, and nothing is written."""
+    dm = trained("unbalanced")
+    gf.save(dm, tmp_path / "runs" / "day1" / "ckpt", extra={"note": 1})
+    assert sorted(os.listdir(tmp_path / "runs" / "day1")) == ["ckpt"]  # no lock or staging left
+    assert gf.load(trained("unbalanced", seed=7), tmp_path / "runs" / "day1" / "ckpt") == {"note": 1}
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(gf.CheckpointError) as info:
+        gf.save(dm, tmp_path / "file" / "sub" / "ckpt")
+    assert f"{tmp_path / 'file'}: exists and is not a directory" in str(info.value)
+    assert (tmp_path / "file").read_text() == "x" and sorted(os.listdir(tmp_path)) == ["file", "runs"]
+
+
 # ---- 2. no code from .metadata ----------------------------------------------------------------
 class Payload:
     def __init__(self, marker: str) -> None:

@@ -5,6 +5,7 @@ are one line with the documented exit status."""
 import ast
 import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,10 @@ FACTORY = textwrap.dedent('''
 
     def broken():
         raise ValueError("the data set is not there")
+
+    def linear():
+        model = torch.nn.Linear(4, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum(), torch.randn(3, 4)
 ''')
 
 
@@ -227,6 +232,36 @@ def test_trace_options_are_checked(factory, tmp_path):
     assert_one_line_error(both, 2, "not allowed with argument")
 
 
+def test_a_new_trace_replaces_the_earlier_ranks_and_nothing_else(traced, factory, tmp_path):
+    """A trace at world size 2 into the output of one at world size 3: rank0/ and rank2/ of the
+    earlier trace go (gf.load_program would load them as current), the user's files stay; a
+    rank<R>/ holding the user's files is refused before any work and everything is kept."""
+    again, guarded = (shutil.copytree(traced, tmp_path / n) for n in ("again", "guarded"))
+    for out in (again, guarded):
+        (out / "notes.txt").write_text("mine")
+        (out / "results").mkdir()
+    (guarded / "rank5").mkdir()
+    (guarded / "rank5" / "data.csv").write_text("1,2")
+    before = sorted(p.name for p in guarded.iterdir())
+    refused, done = graphfuse_batch(["trace", f"{factory}:linear", "--out", str(guarded), "--world-size", "2"],
+                                    ["trace", f"{factory}:linear", "--out", str(again), "--world-size", "2", "--rank", "1"])
+    assert_one_line_error(refused, 2, str(guarded / "rank5"), "nothing was written")
+    assert refused.stdout == "" and sorted(p.name for p in guarded.iterdir()) == before  # the factory never ran
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in again.iterdir()) == ["notes.txt", "rank1", "results", "trace.json"]
+    assert list(json.loads((again / "trace.json").read_text())["ranks"]) == ["1"]
+    assert (gf.load_program(again / "rank1").world_size, (again / "notes.txt").read_text()) == (2, "mine")
+
+
+def test_help_and_docs_give_the_same_exit_statuses():
+    from graphfuse.cli import EXIT_FAILED, EXIT_OUTPUT_CLOSED, EXIT_STATUS, EXIT_USAGE, build_parser
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    assert EXIT_STATUS in build_parser().format_help() and f"```\n{EXIT_STATUS}```" in docs
+    codes = [line.split()[0] for line in EXIT_STATUS.splitlines()[1:] if not line.startswith("     ")]
+    assert codes == ["0", str(EXIT_FAILED), str(EXIT_USAGE), str(EXIT_OUTPUT_CLOSED)]
+
+
 def test_png_without_cairosvg_says_how_to_get_it(traced, tmp_path):
     try:
         import cairosvg  # noqa: F401
@@ -245,7 +280,8 @@ if __name__ == "__main__":
 
 def test_dependencies_are_declared_exactly_as_imported():
     """Every third-party module graphfuse imports is a declared dependency (an optional extra for
-    imports that say how to get it), and every declared dependency is imported."""
+    imports that say how to get it: png, and hf for graphfuse.integrations), and every declared
+    dependency is imported."""
     import tomllib
     from importlib import metadata
 
@@ -256,7 +292,7 @@ def test_dependencies_are_declared_exactly_as_imported():
         return {re.split(r"[ <>=!~;\[]", r, maxsplit=1)[0].lower() for r in reqs}
 
     declared = names(project["dependencies"])
-    optional = names(project["optional-dependencies"]["png"])
+    optional = names(project["optional-dependencies"]["png"]) | names(project["optional-dependencies"]["hf"])
     owners = metadata.packages_distributions()
     imported = set()
     for f in [*(root / "graphfuse").rglob("*.py"), *(root / "passes").rglob("*.py")]:

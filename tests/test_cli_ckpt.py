@@ -5,6 +5,8 @@ an existing destination is refused before any work, and keys are printed whole i
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -81,3 +83,40 @@ def test_convert_refuses_an_existing_destination_before_any_work(saved, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "fresh"]  # no dst.saving left
     assert (tmp_path / "dst" / "mine.txt").read_text() == "keep me"
     assert fresh.returncode == 0 and "wrote balanced checkpoint" in fresh.stdout, fresh.stderr
+
+
+def test_what_is_not_a_checkpoint_is_a_usage_error_in_info_inspect_and_convert(saved, tmp_path):
+    """ckpt info, inspect and ckpt convert agree: a path that is neither a program nor a
+    checkpoint is a usage error (2), never "damaged"; a checkpoint with a damaged record is 1."""
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "a.jpg").write_bytes(b"\xff\xd8")
+    (tmp_path / "program").mkdir()
+    (tmp_path / "program" / "manifest.json").write_text("{}")
+    bad = _copy(saved, tmp_path)
+    (bad / "graphfuse.json").write_text("not json")
+    paths = [str(tmp_path / n) for n in ("notes.txt", "photos")]
+    runs = graphfuse_batch(*(["ckpt", "info", p] for p in paths), *(["inspect", p] for p in paths),
+                           ["ckpt", "convert", paths[0], str(tmp_path / "out")],
+                           ["ckpt", "info", str(tmp_path / "program")], ["ckpt", "info", str(bad)], ["inspect", str(bad)])
+    *neither, program, damaged_info, damaged_inspect = runs
+    for done in neither:
+        assert_one_line_error(done, 2, done.args[-2 if done.args[1] == "convert" else -1], "not a program directory",
+                              "or a checkpoint")
+        assert "damaged" not in done.stderr
+    assert_one_line_error(program, 2, "is a program directory, not a checkpoint", "graphfuse inspect")
+    for done in (damaged_info, damaged_inspect):
+        assert_one_line_error(done, 1, "graphfuse.json", "damaged")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_closed_stdout_stops_quietly_with_status_141(saved):
+    """`graphfuse inspect --json CKPT | head` and `graphfuse ckpt info CKPT | head` when head has
+    quit: no traceback, no message, 141 (the Python docs' recipe; the status of `cat`)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "graphfuse", *argv, str(saved)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for argv in (["inspect", "--json"], ["ckpt", "info"])]
+    for p in procs:
+        p.stdout.close()  # the reader quits before the command writes anything: every write fails
+    for p in procs:
+        err = p.communicate(timeout=120)[1]
+        assert (p.returncode, err) == (141, b""), (p.args, p.returncode, err.decode())

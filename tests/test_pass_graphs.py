@@ -121,6 +121,10 @@ def test_clip_grad_norm_scales_every_shard_by_one_all_reduced_norm():
      .check("aten.mul.Tensor(wait_tensor_default_1, clamp_max_default)")
      .run(code))
     assert [n.name for n in out.handoffs.grad_shards] == ["mul_tensor_1", "mul_tensor_2"]
+    # the norm before clipping is returned after the loss (DistModel.grad_norm), written back nowhere
+    FileCheck().check("return (").check("sqrt_default)").run(code)
+    assert [(s.role, s.target) for s in out.signature.outputs if s.role == "grad_norm"] == [("grad_norm", None)]
+    assert out.output_args()[-1].name == "sqrt_default"
 
 
 def test_sharded_update_updates_each_shard_once_with_flat_states():

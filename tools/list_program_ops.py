@@ -6,7 +6,7 @@ transformers Llama and BERT, and the zoo's models whose program files are tested
 Mixtral) with
 each supported optimizer and the strategies that add ops (world size 2, gradient clipping,
 accumulation, fp32 master weights for bf16 parameters), runs the pass pipeline without a
-process group, and prints the operator names as JSON. Compare with ops.ALLOWED:
+process group, and prints the operator names as JSON. Compare with ops.admitted_names() (the explicit names plus the op families):
 
     python tools/list_program_ops.py [--quick] [--device cuda]
 """

@@ -79,6 +79,7 @@ def acquire(final: Path, save_id: str) -> Path:
     """Take `<path>.lock` for a save (created exclusively, holding host and pid), taking over
     a stale one left by a saver that died on this host; refused while another save holds it."""
     lock = lock_path(final)
+    atomic_dir.make_parents(CHECKPOINT, lock)  # the lock is the first file a save writes
     # The lock appears whole or not at all: written under a name of this process, then linked
     # into place (a link fails if the lock exists). Created empty and then written, a saver
     # killed in between would leave an empty lock that no later save could tell from a held one.

@@ -8,8 +8,10 @@ import dataclasses
 import io
 import os
 import threading
+import traceback
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,9 +35,10 @@ from graphfuse.checkpoint.storage import (
     verify_files,
 )
 from graphfuse.errors import CheckpointError
+from graphfuse.ranks import hold
 
 _pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DistModel -> its SaveHandle in flight
-_side_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DistModel -> group for background saves
+_side_groups: dict[tuple[int, ...], Callable] = {}  # ranks -> weak handle (ranks.hold) on their group for background saves
 
 
 class SaveHandle:
@@ -52,6 +55,7 @@ class SaveHandle:
         try:
             run()
         except BaseException as e:  # handed to wait(): a background thread has nobody else to tell
+            traceback.clear_frames(e.__traceback__)  # the lines stay; the frames' locals (the group) go
             self.error = e
 
     def done(self) -> bool:
@@ -65,7 +69,13 @@ class SaveHandle:
 
 
 def join(dm) -> None:
-    """Wait for `dm`'s save in flight, if any; its error is raised here, once."""
+    """Wait for the saves in flight before `dm` meets the other ranks outside its step: its own
+    (its error is raised here, once), and every other model's, which share the side group of
+    their ranks and, on the same group, the exchange's sequence; those keep their errors for
+    their own next save, load or wait(). Every rank joins in its program's order: the same."""
+    for other, handle in list(_pending.items()):
+        if other is not dm:
+            handle._thread.join()
     handle = _pending.pop(dm, None)
     if handle is not None:
         handle.wait()
@@ -143,13 +153,20 @@ def save(
 
 def _side_group(dm):
     """A process group of the same ranks for background saves, so that their collectives
-    never interleave with the training step's on `dm.group`."""
+    never interleave with the training step's on `dm.group`. One per set of ranks, shared by
+    every model on them (join lets one background save run at a time): torch names a group made
+    by its ranks alone after those ranks, so a second one would take the first one's name and
+    rendezvous (two models saving in the background hung). Over all ranks, every rank is here
+    and torch numbers the group instead. Held weakly: torch keeps it until destroy_process_group()."""
     if dm.world_size == 1:
         return None
-    if dm not in _side_groups:
-        ranks = dist.get_process_group_ranks(dm.group)
-        _side_groups[dm] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return _side_groups[dm]
+    ranks = tuple(dist.get_process_group_ranks(dm.group))
+    group = _side_groups[ranks]() if ranks in _side_groups else None
+    if group is None:
+        local = len(ranks) < dist.get_world_size()
+        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
+        _side_groups[ranks] = hold(group)
+    return group
 
 
 def _publish_unlock(dm, ex: Exchange, group, sd: dict, rec: Record, tmp: Path, final: Path, blob, save_id) -> None:

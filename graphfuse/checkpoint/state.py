@@ -105,21 +105,35 @@ def record_of(dm, p: StatePlan, mode: str, files: dict | None = None, save_id: s
         steps=saved_steps(dm, p),
         param_groups=[{k: _jsonable(v) for k, v in g.items()} for g in _param_groups(dm, p)],
         files=files or {},
-        torch=torch.__version__,
+        torch=str(torch.__version__),  # a plain str: torch.load(weights_only=True) refuses TorchVersion
         optimizer=type(dm.optimizer).__name__,
         save_id=save_id,
     )
 
 
-def state_dict(dm, mode: str | None = None) -> dict:
+def _whole_weights(dm, p: StatePlan) -> dict[str, torch.Tensor]:
+    """Every trained parameter whole, as a view of its bucket (tied names too): every rank holds
+    all the weights, so an in-memory state dict loads into any rank of any world size."""
+    whole = {q.path[1]: view(dm, q) for q in p.loaded("balanced") if q.path[0] == "model"}
+    whole.update({alias: whole[canonical] for alias, canonical in dm.program.signature.aliases.items() if canonical in whole})
+    return whole
+
+
+def state_dict(dm, mode: str | None = None, *, whole_weights: bool = False) -> dict:
     """This rank's training state in `mode`, as views of the live buffers (no copy).
 
     balanced: {"model", "optim"} as get_state_dict lays them out, a tensor this rank holds
     only in part being a `Chunks`; unbalanced: the same but for the optimizer states, which
-    are `slice@<fqn>.<state>@rank<r>` at the top level. "graphfuse" holds the record."""
+    are `slice@<fqn>.<state>@rank<r>` at the top level. "graphfuse" holds the record.
+    The weights are the chunks of this rank's shard (what it writes to disk), or, with
+    `whole_weights` (the in-memory state dict), each parameter whole."""
     mode, p = mode_of(dm, mode), plan(dm)
     sd: dict = {"model": {}, "optim": {"state": {}}}
-    for path, pieces in _by_key(p.saved(mode)).items():
+    saved = p.saved(mode)
+    if whole_weights:
+        saved = tuple(q for q in saved if q.path[0] != "model")
+        sd["model"].update(_whole_weights(dm, p))
+    for path, pieces in _by_key(saved).items():
         _set(sd, path, _value(dm, pieces))
     sd["model"].update(_other_model_entries(dm))
     carried.add_to(sd, dm)

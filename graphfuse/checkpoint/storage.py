@@ -68,6 +68,11 @@ class Chunks:
         raise ValueError(f"no chunk of {index.fqn} at {tuple(index.offset)}")
 
 
+# A rank's in-memory state dict holds Chunks: torch.save of it must load back with torch.load's
+# default weights_only=True in any process that imported graphfuse (plain data, no code).
+torch.serialization.add_safe_globals([Chunks])
+
+
 class SavePlanner(DefaultSavePlanner):
     """DCP's default planner, also resolving `Chunks` leaves to their chunk views."""
 

@@ -1,11 +1,11 @@
 """The `graphfuse` command: trace a training step into per-rank programs, inspect and draw
-programs and checkpoints, run the demo, convert checkpoints (docs/cli.md).
-Exit status: 0 done, 2 a usage error or an input graphfuse refuses, 1 a failure."""
+programs and checkpoints, run the demo, convert checkpoints (docs/cli.md)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from importlib import metadata
@@ -13,6 +13,19 @@ from importlib import metadata
 from graphfuse.cli.args import CliFailure, UsageError, add_demo_arguments, add_trace_arguments
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `cat` in `cat big | head`
+# Printed by `graphfuse --help` and quoted word for word in docs/cli.md (a test holds them equal).
+EXIT_STATUS = """\
+exit status:
+  0    done
+  1    the command ran and failed: a damaged or refused input (a program file, a checkpoint
+       record or data file), a factory that raised, a check that differs, a rank that failed,
+       an unexpected error
+  2    a usage error: a bad option or value, a path that does not exist or is neither a
+       program nor a checkpoint, a factory that is not there
+  141  stdout was closed before everything was written (`graphfuse inspect --json | head`):
+       the command stops quietly, as `cat` killed by SIGPIPE does
+"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,7 +54,7 @@ def _common() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = _Parser(prog="graphfuse", description=__doc__, parents=[common],
+    parser = _Parser(prog="graphfuse", description=f"{__doc__}\n\n{EXIT_STATUS}", parents=[common],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -152,6 +165,29 @@ def _exit_status(e: Exception) -> tuple[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status (EXIT_STATUS)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # what a closed pipe refuses may still be buffered (`--help` | head)
+    except BrokenPipeError:
+        return _output_closed()
+
+
+def _output_closed() -> int:
+    """The reader of stdout has gone (`| head`): stop without a word. As the Python docs advise
+    (signal module, "Note on SIGPIPE"), stdout is pointed at /dev/null, so that the interpreter's
+    last flush at exit does not fail again and print a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (redirected in-process)
+        pass
+    return EXIT_OUTPUT_CLOSED
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -159,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("graphfuse: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed: not an error of the command (main stops quietly)
+        raise
     except Exception as e:
         if getattr(args, "debug", False):
             traceback.print_exc()

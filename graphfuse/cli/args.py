@@ -73,7 +73,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("factory", metavar="FILE.py:FACTORY",
                    help="a function in FILE.py returning (model, optimizer, loss_fn, example_batch)")
-    p.add_argument("--out", required=True, help="directory to write: rank<R>/ (one program per rank) and trace.json")
+    p.add_argument("--out", required=True, help="directory to write: rank<R>/ (one program per rank) and trace.json; "
+                   "an earlier trace there is replaced, other files are left alone")
     p.add_argument("--world-size", type=_int_at_least(1), default=1, help="ranks to plan for (no process group needed)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--rank", type=_int_at_least(0), default=None, help="save only this rank's program (default 0)")

@@ -21,10 +21,18 @@ from graphfuse.program_files.files import MANIFEST
 CHECKPOINT_MARKS = ("graphfuse.json", ".metadata")
 
 
+class _PipedConsole(Console):
+    """rich exits with status 1 when stdout is closed; the command's main says 141 instead."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # print nothing more
+        raise BrokenPipeError("stdout was closed")
+
+
 def wide_console() -> Console:
     """A console that never cuts or folds a cell: as wide as a row needs, in a pipe too (a
     terminal narrower than a row wraps it, which loses nothing)."""
-    return Console(width=max(shutil.get_terminal_size().columns, 100_000), highlight=False, soft_wrap=True)
+    return _PipedConsole(width=max(shutil.get_terminal_size().columns, 100_000), highlight=False, soft_wrap=True)
 
 
 def kind_of(path: Path) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import re
 import sys
 import time
 from collections import Counter
@@ -14,13 +16,17 @@ from pathlib import Path
 import torch
 
 import graphfuse as gf
+from graphfuse import atomic_dir
 from graphfuse.capture import capture
 from graphfuse.cli.args import CliFailure, UsageError
+from graphfuse.errors import GraphfuseError
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.program import Program
+from graphfuse.program_files.files import PROGRAM_DIR
 
 TRACE_FILE = "trace.json"  # beside the rank<R>/ program directories: what program files do not keep
 TRACE_FORMAT = 1
+RANK_DIR = re.compile(r"rank\d+")  # the program directories a trace writes beside trace.json
 # The name torch gives the default process group: a program planned here runs as it is under
 # init_process_group, and DistModel.from_program rebinds any other group.
 DEFAULT_GROUP = "0"
@@ -104,19 +110,21 @@ def run_trace(args) -> int:
     out = Path(args.out)
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / TRACE_FILE).is_file())):
         raise UsageError(f"{out}: exists and is not an earlier trace output; choose another --out or remove it")
+    earlier = earlier_programs(out)
     ranks = list(range(args.world_size)) if args.all_ranks else [args.rank or 0]
     say = (lambda *a, **k: None) if args.json else (lambda *a: print(*a, flush=True))
     say(f"graphfuse trace: running {args.factory}")
     made = call_factory(args.factory)
     device = next(made[0].parameters(), torch.empty(0)).device.type
     strategy = strategy_for(args, made[4], device)
-    out.mkdir(parents=True, exist_ok=True)
     record = {"format": TRACE_FORMAT, "factory": args.factory, "world_size": args.world_size,
               "strategy": strategy.to_json(), "ranks": {}}
     for rank in ranks:
         t0 = time.perf_counter()
         say(f"capturing and rewriting rank {rank} of {args.world_size}...")
         before, program = plan_rank(made, strategy, args.world_size, rank)
+        if rank == ranks[0]:  # the step traced and rewritten: only now is an earlier trace replaced
+            replace_earlier(out, record, [d for d in earlier if d.name not in {f"rank{r}" for r in ranks}])
         gf.save_program(program, out / f"rank{rank}")
         record["ranks"][str(rank)] = {
             "program": f"rank{rank}",
@@ -126,12 +134,45 @@ def run_trace(args) -> int:
         }
         say(f"wrote {out / f'rank{rank}'} ({sum(1 for _ in program.graph.nodes)} nodes, "
             f"{len(program.layout.buckets)} buckets)")
-    (out / TRACE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    write_record(out, record)
     if args.json:
         print(json.dumps({"out": str(out), "ranks": ranks, "programs": [str(out / f"rank{r}") for r in ranks]}))
     else:
         say(f"next: graphfuse inspect {out}   or   graphfuse report {out} --out report.html")
     return 0
+
+
+def earlier_programs(out: Path) -> list[Path]:
+    """The rank<R>/ directories of an earlier trace in `out`, checked before any work: one that
+    holds files graphfuse did not write (or is a link or a file) is refused, never removed."""
+    if not out.is_dir():
+        return []
+    found = sorted(d for d in out.iterdir() if RANK_DIR.fullmatch(d.name) and (d.is_dir() or d.is_symlink()))
+    for d in found:
+        try:
+            PROGRAM_DIR.check_replaceable(d)
+        except GraphfuseError as e:
+            raise UsageError(f"{e} (a new trace into {out} replaces its rank<R>/ programs; nothing was written)") from None
+    return found
+
+
+def replace_earlier(out: Path, record: dict, stale: list[Path]) -> None:
+    """Make `out` a trace output of no rank yet, then remove the earlier trace's programs of
+    ranks this trace does not write (gf.load_program would load them as if current). Those it
+    writes are replaced one by one, atomically; nothing else in `out` is touched. Killed part
+    way, `out` is still a trace output (its trace.json lists no rank) that the next trace replaces."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_record(out, record)
+    for d in stale:
+        PROGRAM_DIR.remove(d)  # checked again: only a program directory's own files go
+    atomic_dir.fsync(out)
+
+
+def write_record(out: Path, record: dict) -> None:
+    """trace.json, replaced in one rename: a reader sees the earlier record or this one."""
+    staging = out / f".{TRACE_FILE}.tmp-{os.getpid()}"
+    atomic_dir.write_file(staging, (json.dumps(record, indent=1) + "\n").encode())
+    os.replace(staging, out / TRACE_FILE)
 
 
 def read_trace(directory: Path) -> dict | None:

@@ -11,7 +11,9 @@ import torch.fx
 
 from graphfuse import signature as sig
 from graphfuse.errors import UnsupportedError
+from graphfuse.layout import BucketLayout
 
+from .layers import describe
 from .limits import MAX_NODES
 from .ops import resolve_target, target_name
 from .values import Decoder, Malformed, encode, short
@@ -21,9 +23,10 @@ PHASES = (sig.FORWARD, sig.BACKWARD, sig.OPTIMIZER, sig.COMM)
 CONSTANTS = "constants.safetensors"
 
 
-def graph_to_json(gm: torch.fx.GraphModule) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def graph_to_json(gm: torch.fx.GraphModule, layout: BucketLayout | None = None) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """The node records of `gm` and the tensors its get_attr nodes read. Only data is kept:
-    the phase and result meta of each node; the placeholders' roles are the signature's."""
+    the phase and result meta of each node; the placeholders' roles are the signature's.
+    `layout` names the layer of a node that cannot be saved."""
     nodes, constants = [], {}
     for n in gm.graph.nodes:
         where = f"node {n.name}"
@@ -31,10 +34,7 @@ def graph_to_json(gm: torch.fx.GraphModule) -> tuple[list[dict], dict[str, torch
         if n.op == "call_function":
             target = target_name(n.target)
             if target is None:
-                raise UnsupportedError(
-                    f"cannot save {where}: it calls {n.target!r}, which is not in the program-file op allowlist "
-                    "(graphfuse/program_files/ops.py); add it there if a training step needs it"
-                )
+                raise _not_allowed(n, layout)
         elif n.op == "get_attr":
             value = operator.attrgetter(n.target)(gm)
             if not isinstance(value, torch.Tensor):
@@ -51,6 +51,18 @@ def graph_to_json(gm: torch.fx.GraphModule) -> tuple[list[dict], dict[str, torch
         kwargs = {k: encode(v, where) for k, v in n.kwargs.items()}
         nodes.append({"name": n.name, "op": n.op, "target": target, "args": args, "kwargs": kwargs, "meta": meta})
     return nodes, constants
+
+
+def _not_allowed(node: torch.fx.Node, layout: BucketLayout | None) -> UnsupportedError:
+    """The refusal of a node whose operator a program file may not call: the operator, the
+    model's layer, and what the user can do (the library's allowlist is not theirs to edit)."""
+    op = str(node.target) if isinstance(node.target, torch._ops.OpOverload) else repr(node.target)
+    return UnsupportedError(
+        f"cannot save the program: node {node.name} calls {op} {describe(node, layout)}, which is not in the "
+        "program-file op allowlist. The model still trains with gf.compile (and torch.compile); only saving its "
+        "program (gf.save_program, graphfuse trace) is refused. Please report the operator and the layer in a "
+        "graphfuse issue so that program files can admit it"
+    )
 
 
 def graph_from_json(doc, constants: dict[str, torch.Tensor], version: int) -> torch.fx.GraphModule:

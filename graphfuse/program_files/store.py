@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import torch
 
+from graphfuse._version import __version__
 from graphfuse.errors import GraphfuseError, ProgramFormatError, UnsupportedError
 from graphfuse.passes import pass_name, serializer
 from graphfuse.program import Program
@@ -41,9 +42,7 @@ _DECODE_ERRORS = (Malformed, GraphfuseError, LookupError, TypeError, ValueError,
 
 def save_program(program: Program, path: str | os.PathLike) -> None:
     """Write `program` to the directory `path` (replaced atomically if it holds a program)."""
-    from graphfuse import __version__
-
-    nodes, constants = graph_to_json(program.graph_module)
+    nodes, constants = graph_to_json(program.graph_module, program.layout)
     # One node per line: readable, and a diff of two programs is a diff of their nodes.
     graph = ('{"nodes": [\n' + ",\n".join(json.dumps(n, allow_nan=False, ensure_ascii=False) for n in nodes) + "\n]}\n").encode()
     files = {PROGRAM: json_bytes(program_to_json(program)), GRAPH: graph}

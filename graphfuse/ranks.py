@@ -1,0 +1,156 @@
+"""A process group's ranks (`group_info`, `backend_of`); a run refused that would be silently wrong
+(`refuse_alone`, `refuse_ddp`); and how graphfuse holds a group: weakly, so that torch's
+`destroy_process_group()` destroys it (`HeldGroup`), and destroys at exit one left alive (`destroy_left_at_exit`)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import types
+import weakref
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from graphfuse.errors import UnsupportedError
+
+log = logging.getLogger("graphfuse")
+_bound = [False]  # whether graphfuse bound a process group in this process (see destroy_left_at_exit)
+
+
+def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int, str]:
+    """(group, world size, rank, group name); world size 1 with no process group."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0, ""
+        group = dist.group.WORLD
+    return group, dist.get_world_size(group), dist.get_rank(group), group.group_name
+
+
+def refuse_alone(group: dist.ProcessGroup | None, how: str) -> None:
+    """Refuse world size 1 (no group given, none initialised) in a job whose environment says it
+    has several ranks (torchrun's WORLD_SIZE): each rank would train alone, silently."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if group is None and world.isdigit() and int(world) > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise UnsupportedError(
+            f"{how}: WORLD_SIZE={world} in the environment (torchrun?) but no process group is initialised, so this "
+            "rank would train alone at world size 1; call torch.distributed.init_process_group() first (with Hugging "
+            "Face: build TrainingArguments or the Accelerator first, which do)"
+        )
+
+
+def refuse_ddp(owns: Callable[[list], bool]) -> None:
+    """Refuse a region dynamo compiles inside DistributedDataParallel's forward when a
+    gf.shard_optimizer owns the DDP module's parameters (`owns(parameters)`): graphfuse's optimizer
+    averages the gradients itself, and dynamo's DDPOptimizer splits the graph at DDP's buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is not None and owns(list(ddp.parameters())):
+        raise UnsupportedError(
+            "a model wrapped in DistributedDataParallel is compiled with backend='graphfuse' while a gf.shard_optimizer "
+            "owns its parameters: DDP would all-reduce every gradient that graphfuse's optimizer reduce-scatters itself "
+            "(and dynamo compiles DDP's regions apart). graphfuse's optimizer is the data parallelism: train the model without "
+            "DDP (Hugging Face: graphfuse.integrations.transformers.GraphfuseTrainer, graphfuse.integrations.accelerate.prepare)"
+        )
+
+
+def backend_of(group: dist.ProcessGroup | None, device_type: str) -> str | None:
+    """The backend that runs `group`'s collectives on `device_type` tensors (None: no group)."""
+    if group is None:
+        return None
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # a group of several backends, "cpu:gloo,cuda:nccl"
+        return dict(b.split(":", 1) for b in backend.split(",")).get(device_type)
+    return backend
+
+
+def _no_group() -> None:
+    """The handle of "no process group" (world size 1): reads None, and never raises."""
+    return None
+
+
+def hold(group: dist.ProcessGroup | None) -> Callable[[], dist.ProcessGroup | None]:
+    """A weak handle on `group`: calling it gives the group while torch (or the user) keeps it,
+    None after. A group kept alive past `destroy_process_group()` keeps Gloo's worker threads
+    too, and one of them, dropping its last collective while the interpreter shuts down, needs
+    the GIL and aborts the process (`terminate called without an active exception`, exit -6)."""
+    if group is None:
+        return _no_group
+    _bound[0] = True
+    return weakref.ref(group)
+
+
+class HeldGroup:
+    """The `group` attribute of an object that runs collectives (DistModel, ShardedOptimizer):
+    assigned as usual, held weakly (`hold`), and read back as the group, or None without one.
+    Read after torch destroyed the group, it raises naming the way out: graphfuse never runs
+    a collective on a destroyed group, nor keeps one alive to do so."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, f"_{name}_held"
+
+    def __get__(self, obj, owner: type | None = None):
+        if obj is None:
+            return self
+        try:
+            handle = obj.__dict__[self.slot]
+        except KeyError:
+            raise AttributeError(self.name) from None
+        group = handle()
+        if group is None and handle is not _no_group:
+            raise UnsupportedError(
+                f"the process group of this {type(obj).__name__} was destroyed (torch.distributed."
+                "destroy_process_group()); graphfuse runs no collective after it: initialise a new group, build a new "
+                f"{type(obj).__name__} (gf.compile or gf.shard_optimizer) and gf.load the last checkpoint"
+            )
+        return group
+
+    def __set__(self, obj, group: dist.ProcessGroup | None) -> None:
+        obj.__dict__[self.slot] = hold(group)
+
+
+def destroy_left_at_exit() -> None:
+    """Registered with `atexit`, where torch's own shutdown hooks run (before the interpreter
+    finalises), so that Gloo's threads end while they can still take the GIL: a program that bound
+    a group through graphfuse and never called `destroy_process_group()` has it destroyed here, and
+    torch's own references to destroyed groups are dropped (`unpin_destroyed_groups`). Saves in the
+    background are joined before (they are non-daemon threads)."""
+    if _bound[0] and dist.is_available() and dist.is_initialized():
+        log.info("graphfuse: destroying the process group left at exit (call dist.destroy_process_group() to do it yourself)")
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # at exit, a failure to clean up is only worth a line
+            log.warning("graphfuse: destroying the process group at exit failed: %s: %s", type(e).__name__, e)
+    unpin_destroyed_groups()
+
+
+def unpin_destroyed_groups() -> int:
+    """Drop the destroyed process groups that torch's own functions hold as default arguments;
+    returns how many functions held one. torch.distributed.nn.functional (which
+    torch.distributed.checkpoint, and so graphfuse, imports) writes `group=group.WORLD` into its
+    signatures when it is imported: imported after init_process_group(), it keeps that group past
+    destroy_process_group() to the end of the interpreter. Only groups torch no longer knows."""
+    if not dist.is_available():
+        return 0
+    live = set(dist.distributed_c10d._world.pg_map)
+    dead = lambda v: issubclass(type(v), dist.ProcessGroup) and v not in live  # noqa: E731 (type(): no attribute read)
+    found = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or module is None:
+            continue
+        for fn in list(vars(module).values()):
+            if type(fn) is not types.FunctionType:  # type(): isinstance would warn on torch.distributed.reduce_op
+                continue
+            if fn.__defaults__ and any(map(dead, fn.__defaults__)):
+                fn.__defaults__ = tuple(None if dead(v) else v for v in fn.__defaults__)
+                found += 1
+            if fn.__kwdefaults__ and any(map(dead, fn.__kwdefaults__.values())):
+                fn.__kwdefaults__ = {k: None if dead(v) else v for k, v in fn.__kwdefaults__.items()}
+                found += 1
+    return found
+
+
+atexit.register(destroy_left_at_exit)
