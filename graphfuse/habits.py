@@ -86,7 +86,7 @@ def route_optimizer(opt: torch.optim.Optimizer, owner, how: str) -> None:
     def state_dict(self) -> dict:
         """The optimizer state graphfuse holds, gathered into torch.optim's form (keyed by
         parameter index). A collective: call it on every rank."""
-        from graphfuse.torch_state import torch_form
+        from graphfuse.torch_state import torch_form  # lazily: optim.py imports this module, below the checkpoints
 
         o = live()
         if isinstance(o, torch.optim.Optimizer):

@@ -10,7 +10,9 @@ import torch
 
 from graphfuse import signature as sig
 from graphfuse.checkpoint.agree import Exchange
+from graphfuse.checkpoint.memory import load_state_dict
 from graphfuse.checkpoint.plan import MASTER
+from graphfuse.checkpoint.state import plan
 from graphfuse.errors import CheckpointMismatchError, UnsupportedError
 from graphfuse.optimizers import torch_host_states
 from graphfuse.param_state import all_gather_flat
@@ -102,8 +104,6 @@ def _fresh_state(owner) -> dict[str, dict]:
     """The state of an optimizer that never stepped, as a checkpoint would hold it: zeros in
     every state's full shape, step 0 (loading it resets the shards, as loading torch.optim's
     empty state resets a torch optimizer)."""
-    from graphfuse.checkpoint.state import plan
-
     state: dict[str, dict] = {}
     for piece in plan(owner).balanced:
         if piece.path[0] == "optim" and piece.path[-1] != MASTER:
@@ -120,8 +120,6 @@ def load_torch_form(owner, sd: dict) -> None:
     """Load {"state", "param_groups"} keyed by FQN, or by parameter index in param-group order
     (a plain torch optimizer's state_dict()); the weights are left as they are. An empty
     "state" (an optimizer saved before its first step) resets the optimizer to that."""
-    from graphfuse import checkpoint
-
     names = param_fqns(owner)
 
     def fqn(key) -> str:
@@ -136,4 +134,4 @@ def load_torch_form(owner, sd: dict) -> None:
     state = {fqn(k): v for k, v in sd["state"].items()} or _fresh_state(owner)
     groups = [{**g, "params": [fqn(k) for k in g.get("params", [])]} for g in sd["param_groups"]]
     model = {k: v.detach().clone() for k, v in owner.model.state_dict().items()}
-    checkpoint.load_state_dict(owner, {"model": model, "optim": {"state": state, "param_groups": groups}})
+    load_state_dict(owner, {"model": model, "optim": {"state": state, "param_groups": groups}})

@@ -1,4 +1,4 @@
-"""ZeRO-1 training on real Gloo groups of 1 to 4 ranks against an eager data-parallel
+"""ZeRO-1 training on real Gloo groups of 1 to 3 ranks against an eager data-parallel
 reference (replicated model, all_reduce(AVG) of gradients, torch.optim with foreach=False).
 
 One spawned group per world size runs every scenario (spawning costs seconds); each test
@@ -219,7 +219,7 @@ SCENARIOS = {
 }
 
 
-# To keep the suite short, 3 and 4 ranks skip one GPT scenario (SGD is run on the MLP there).
+# To keep the suite short, 3 ranks skip one GPT scenario (SGD is run on the MLP there).
 SKIP_AT_3_AND_4 = {"gpt_sgd"}
 
 
@@ -240,7 +240,7 @@ def measured(world: int, scenario: str) -> list[dict]:
     return [r[scenario] for r in results(world)]
 
 
-WORLDS = [1, 2, 3, 4]
+WORLDS = [1, 2, 3]  # 4 ranks on 2 cores cost 23 s; tests/test_checkpoint_reshard.py trains at 4
 
 
 def scenario_params(names=None):
