@@ -8,9 +8,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from graphfuse import registration
 from graphfuse._version import __version__
-from graphfuse.capture import capture
+from graphfuse.capture.step import capture
 from graphfuse.checkpoint import Checkpointer
 from graphfuse.errors import (
     CheckpointError,
@@ -21,14 +20,15 @@ from graphfuse.errors import (
     UnsupportedError,
     VerifyError,
 )
-from graphfuse.layout import Bucket, BucketLayout
+from graphfuse.frontends import registration
+from graphfuse.frontends.dist_model import DistModel
+from graphfuse.frontends.sharded_optimizer import ShardedOptimizer, shard_optimizer
+from graphfuse.ir.layout import Bucket, BucketLayout
+from graphfuse.ir.program import Program
+from graphfuse.ir.signature import Signature
 from graphfuse.logs import install as _install_logging
-from graphfuse.metrics import StepMetrics
-from graphfuse.program import Program
 from graphfuse.program_files import load_program, save_program
-from graphfuse.runtime import DistModel
-from graphfuse.sharded_optimizer import ShardedOptimizer, shard_optimizer
-from graphfuse.signature import Signature
+from graphfuse.runtime.metrics import StepMetrics
 from graphfuse.strategy import Strategy
 
 registration.register()  # backend="graphfuse" for torch.compile, also when imported from a source tree

@@ -66,19 +66,19 @@ class Strategy:
     back at the head) and without a runtime. Default False until GPU measurements (docs/benchmarks.md) decide."""
     cuda_graphs: bool = False
     """Experimental: replay the whole inductor-compiled step from one CUDA graph per traced batch key
-    (graphfuse/cuda_graph.py), for steps bound by kernel launches (small models). Needs compile="inductor",
+    (graphfuse/compiler/cuda_graph.py), for steps bound by kernel launches (small models). Needs compile="inductor",
     the model on one CUDA device and, above one rank, an NCCL group."""
     align_buckets_to_blocks: bool | Literal["auto"] = False
     """Give each repeated block (the first numbered module of an FQN, e.g. transformer layer "h.3") buckets
     of its own, split by bucket_size_mb where larger: identical blocks then lie at identical bucket offsets
-    and inductor compiles their kernels once instead of once per block (graphfuse/layout.py). More buckets.
-    "auto": only blocks that repeat and hold at least 1 MiB (graphfuse/blocks.py). Off: on one H200 it did
+    and inductor compiles their kernels once instead of once per block (graphfuse/ir/layout.py). More buckets.
+    "auto": only blocks that repeat and hold at least 1 MiB (graphfuse/ir/blocks.py). Off: on one H200 it did
     not shorten the start and made the step 6% slower (GPT-2 small, 25 MB buckets, one run); it pays when
     compiling on few CPU cores (docs/benchmarks.md)."""
     compile_workers: int | Literal["auto"] = "auto"
     """Processes besides this one that compile the step with inductor at the first step: the step is cut
-    into compile_workers + 1 pieces (graphfuse/pieces.py), compiled at once and handed over through
-    inductor's on-disk caches (graphfuse/compile_workers.py). 0: one graph, compiled here. An int > 0 needs
+    into compile_workers + 1 pieces (graphfuse/compiler/pieces.py), compiled at once and handed over through
+    inductor's on-disk caches (graphfuse/compiler/workers.py). 0: one graph, compiled here. An int > 0 needs
     compile="inductor". "auto": by the cores of this rank's share of the host, with inductor on CUDA only
     (compile_workers.how_many: 3 with 16 cores a rank, 1 with 8, 0 with 4 or on the CPU), chosen again in
     every process that compiles, also from a program file. Pieces are fused apart at their cuts: the step

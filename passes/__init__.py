@@ -9,7 +9,7 @@ import time
 from types import ModuleType
 
 from graphfuse.errors import GraphfuseError
-from graphfuse.program import Handoffs, PassRun, Program
+from graphfuse.ir.program import Handoffs, PassRun, Program
 
 from . import (
     all_gather,

@@ -8,7 +8,7 @@ from dataclasses import fields
 from types import ModuleType
 
 from graphfuse.errors import PassContractError
-from graphfuse.program import Handoffs, Program
+from graphfuse.ir.program import Handoffs, Program
 
 HANDOFFS = tuple(f.name for f in fields(Handoffs))
 

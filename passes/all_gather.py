@@ -3,8 +3,8 @@ shard back into the flat bucket that the model's parameters view."""
 
 from __future__ import annotations
 
-from graphfuse import signature as sig
-from graphfuse.program import Program
+from graphfuse.ir import signature as sig
+from graphfuse.ir.program import Program
 
 from ._contract import expect
 from .graph import c10d, call, outputs, set_outputs

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from graphfuse import signature as sig
-from graphfuse.program import Program
+from graphfuse.ir import signature as sig
+from graphfuse.ir.program import Program
 
 from ._contract import expect
 from .graph import aten, c10d, call, input_nodes, outputs, placeholders, position, set_outputs

@@ -3,8 +3,8 @@ the per-parameter new values are packed into one new bucket (so the program stay
 
 from __future__ import annotations
 
-from graphfuse import signature as sig
-from graphfuse.program import Program, TensorMeta
+from graphfuse.ir import signature as sig
+from graphfuse.ir.program import Program, TensorMeta
 
 from ._contract import expect
 from .graph import add_input, aten, call, input_nodes, outputs, remove_input, set_outputs, sync_inputs

@@ -9,10 +9,10 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphfuse import signature as sig
+from graphfuse.capture.tracing import make_fx_exact, placeholder_name
 from graphfuse.errors import PassContractError
-from graphfuse.program import Program, TensorMeta
-from graphfuse.tracing import make_fx_exact, placeholder_name
+from graphfuse.ir import signature as sig
+from graphfuse.ir.program import Program, TensorMeta
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from graphfuse.program import Program
+from graphfuse.ir.program import Program
 
 from ._contract import expect
 from .graph import c10d, issues_collective, position

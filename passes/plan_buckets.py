@@ -1,13 +1,13 @@
 """Plan buckets: read each trainable parameter's shape, dtype, group and gradient order from
-the captured program and attach the `BucketLayout` (graphfuse.layout does the arithmetic)."""
+the captured program and attach the `BucketLayout` (graphfuse.ir.layout does the arithmetic)."""
 
 from __future__ import annotations
 
-from graphfuse import signature as sig
-from graphfuse.blocks import aligned_blocks
-from graphfuse.layout import ParamInfo
-from graphfuse.layout import plan_buckets as plan
-from graphfuse.program import Program
+from graphfuse.ir import signature as sig
+from graphfuse.ir.blocks import aligned_blocks
+from graphfuse.ir.layout import ParamInfo
+from graphfuse.ir.layout import plan_buckets as plan
+from graphfuse.ir.program import Program
 
 from ._contract import expect
 from .graph import grad_nodes, position, ready_position

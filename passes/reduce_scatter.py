@@ -4,8 +4,8 @@ the bucket's last gradient exists. Hands each bucket's averaged shard on as `gra
 
 from __future__ import annotations
 
-from graphfuse import signature as sig
-from graphfuse.program import Program
+from graphfuse.ir import signature as sig
+from graphfuse.ir.program import Program
 
 from ._contract import expect
 from .graph import aten, c10d, call, grad_nodes, hoist, position

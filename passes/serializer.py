@@ -4,9 +4,10 @@ graphfuse.checkpoint executes the plan and computes no offset."""
 
 from __future__ import annotations
 
-from graphfuse import signature as sig
-from graphfuse.checkpoint.plan import MASTER, Piece, StatePlan, derive_plan, flat_boxes, plan_of
-from graphfuse.program import Program
+from graphfuse.checkpoint.plan import derive_plan, flat_boxes, plan_of
+from graphfuse.ir import signature as sig
+from graphfuse.ir.program import Program
+from graphfuse.ir.state_plan import MASTER, Piece, StatePlan
 
 from ._contract import expect
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from graphfuse import signature as sig
-from graphfuse.program import Program, TensorMeta
-from graphfuse.tracing import dtype_name, update_function
+from graphfuse.capture.tracing import dtype_name, update_function
+from graphfuse.ir import signature as sig
+from graphfuse.ir.program import Program, TensorMeta
+from graphfuse.ir.state_plan import MASTER
 
 from ._contract import expect
 from .graph import (
@@ -30,7 +31,6 @@ from .graph import (
 NAME = "sharded_update"
 NEEDS = ("grad_shards",)
 PROVIDES = ("param_shards",)
-MASTER = "master"
 
 
 def applies(program: Program) -> bool:

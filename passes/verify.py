@@ -9,9 +9,9 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphfuse import signature as sig
 from graphfuse.errors import VerifyError
-from graphfuse.program import Program
+from graphfuse.ir import signature as sig
+from graphfuse.ir.program import Program
 
 from .graph import placeholders
 

@@ -1,10 +1,5 @@
-import os
-import sys
-
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))  # tests/distributed.py
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 import graphfuse as gf
-from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 
 def setup(n_layer: int) -> tuple[GPT, torch.optim.Optimizer, tuple]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from graphfuse.launch import run_ranks
+from graphfuse.testing.launch import run_ranks
 
 
 def rss() -> int:
@@ -91,7 +91,7 @@ def bench_graphfuse(rank: int, root: str, args, x: torch.Tensor, drop_cache) -> 
 
 
 def worker(rank: int, world: int, args) -> dict:
-    """One rank's measurements (graphfuse.launch.run_ranks made its Gloo group)."""
+    """One rank's measurements (graphfuse.testing.launch.run_ranks made its Gloo group)."""
     root, out = args.dir, {}
     x = torch.randn(8, args.width)
 

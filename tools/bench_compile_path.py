@@ -5,7 +5,7 @@ own ranks (Gloo on CPU, NCCL on CUDA).
     python tools/bench_compile_path.py --device cpu  --world-size 2 --steps 6
     python tools/bench_compile_path.py --device cuda --world-size 2 --model gpt2-small
 
-Methods, all on the same GPT-2-shaped graphfuse.models.GPT, initial weights and per-rank batches:
+Methods, all on the same GPT-2-shaped graphfuse.testing.models.GPT, initial weights and per-rank batches:
 - compile_path: torch.compile(model, backend="graphfuse") + gf.shard_optimizer(AdamW): each
   bucket reduce-scattered inside the compiled backward, all-gathers in step();
 - gf_compile: gf.compile (one traced step; compile="inductor" on CUDA, "eager" on CPU);
@@ -35,8 +35,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import graphfuse as gf  # noqa: E402
-from graphfuse.launch import run_ranks  # noqa: E402
-from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens  # noqa: E402
+from graphfuse.testing.launch import run_ranks  # noqa: E402
+from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens  # noqa: E402
 
 MODELS = {
     "tiny": GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64),

@@ -1,5 +1,5 @@
 """The first step's autotuning, and the step time after it: graphfuse with its inductor settings
-(graphfuse.inductor.FIRST_STEP), graphfuse with inductor's defaults for them, and
+(graphfuse.compiler.inductor.FIRST_STEP), graphfuse with inductor's defaults for them, and
 torch.compile(model) + fused AdamW, each in a fresh process with an empty inductor cache.
 
 At a Triton kernel's first launch inductor times each of its launch configurations and keeps
@@ -65,7 +65,7 @@ def _source_shape(path: str | None, name: str) -> str | None:
 def one(args) -> dict:
     """One variant in this process: compile, first step, then `args.steps` timed steps."""
     import graphfuse as gf
-    import graphfuse.inductor as inductor
+    import graphfuse.compiler.inductor as inductor
 
     if args.variant == "graphfuse_autotuned":
         inductor.FIRST_STEP = {}

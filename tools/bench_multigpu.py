@@ -86,8 +86,8 @@ import torch
 import torch.distributed as dist
 
 import graphfuse as gf
-from graphfuse import launch
-from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+from graphfuse.testing import launch
+from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 PRESETS = {
     "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50304, block_size=1024),
@@ -106,7 +106,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace):
 
 
 def run_ranks(args: argparse.Namespace) -> list:
-    """Every rank's result of the subcommand (graphfuse.launch spawns the process group; it
+    """Every rank's result of the subcommand (graphfuse.testing.launch spawns the process group; it
     keeps NCCL_NVLS_ENABLE=0 and gives each rank its own GPU)."""
     backend = backend_of(args)
     if backend == "nccl" and torch.cuda.device_count() < args.world_size:

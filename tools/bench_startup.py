@@ -43,7 +43,7 @@ import torch
 
 
 def setup(args):
-    from graphfuse.models import GPT, GPTConfig, synthetic_tokens
+    from graphfuse.testing.models import GPT, GPTConfig, synthetic_tokens
 
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
@@ -177,7 +177,7 @@ def with_bytecode(where: str) -> dict:
 
 
 def print_row(r: dict) -> None:
-    from graphfuse.inductor import PHASES  # torch's compile phases that do not contain one another
+    from graphfuse.compiler.inductor import PHASES  # torch's compile phases that do not contain one another
 
     phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
     print(f"{r['start']:14} {r['total_s']:7.2f} s   {phases}")

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from graphfuse.passes.graph import count_targets
 
 import graphfuse as gf
-from graphfuse.launch import run_ranks
-from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+from graphfuse.testing.launch import run_ranks
+from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 METHODS = ["graphfuse", "graphfuse_workers", "graphfuse_deferred", "graphfuse_cudagraphs", "graphfuse_aligned", "graphfuse_unaligned", "ddp_zero", "fsdp2", "torch_compile", "torch_compile_cudagraphs"]
 CAPTURED_AT_SECOND_STEP = ("graphfuse_cudagraphs", "torch_compile_cudagraphs")
@@ -151,7 +151,7 @@ def build(method: str, base, device, args, batch0):
 
 
 def worker(rank: int, world: int, args) -> dict:
-    """One rank's timings (graphfuse.launch has set up the process group and the device): per
+    """One rank's timings (graphfuse.testing.launch has set up the process group and the device): per
     method, step times, collectives, peak memory and setup + first step seconds."""
     torch.backends.cuda.matmul.allow_tf32 = True  # the same matmul precision for every method
     torch.backends.cudnn.allow_tf32 = True

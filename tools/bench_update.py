@@ -1,6 +1,6 @@
 """Benchmark the fused optimizer update and the gradient packing as inductor compiles them.
 
-graphfuse writes the update of a whole bucket shard as plain aten ops (graphfuse.optim.update)
+graphfuse writes the update of a whole bucket shard as plain aten ops (graphfuse.optim.describe.update)
 and the packing of gradients into a bucket as view/pad/cat; inductor should fuse each into a
 few memory-bound kernels. This measures achieved memory bandwidth against a plain device copy
 (the achievable peak) and against torch's own fused and foreach AdamW, side by side in one run.
@@ -66,7 +66,7 @@ def main() -> None:
         new_p, st = gopt.update(spec, p, g, {"exp_avg": m, "exp_avg_sq": v}, dict(zip(names, s)))
         return new_p, st["exp_avg"], st["exp_avg_sq"]
 
-    def update_in_place(p, g, m, v, *s):  # what graphfuse.execute.compile_in_place hands inductor
+    def update_in_place(p, g, m, v, *s):  # what graphfuse.runtime.execute.compile_in_place hands inductor
         new_p, new_m, new_v = update(p, g, m, v, *s)
         p.copy_(new_p), m.copy_(new_m), v.copy_(new_v)
         return ()

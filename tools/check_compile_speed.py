@@ -1,4 +1,4 @@
-"""Check graphfuse.inductor.COMPILE_SPEED on a GPT step: compile the step once with inductor's
+"""Check graphfuse.compiler.inductor.COMPILE_SPEED on a GPT step: compile the step once with inductor's
 defaults for those settings and once with graphfuse's, each in a fresh process with an empty
 cache, and print the scheduler's time and whether the generated code is the same.
 
@@ -26,8 +26,8 @@ from kernel_launches import output_modules
 def one(args) -> dict:
     """One compile in this process, with COMPILE_SPEED as graphfuse has it or emptied."""
     import graphfuse as gf
-    import graphfuse.inductor as inductor
-    from graphfuse.models import gpt_loss
+    import graphfuse.compiler.inductor as inductor
+    from graphfuse.testing.models import gpt_loss
 
     if args.variant == "default":
         inductor.COMPILE_SPEED = {}

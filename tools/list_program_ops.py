@@ -20,19 +20,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test models: tests.capture.test_capture, ...
 
 import graphfuse as gf  # noqa: E402
 from graphfuse import passes  # noqa: E402
 
 
 def _models(quick: bool) -> dict:
-    import test_capture as tc
-    import test_checkpoint as tck
-    import test_program_io as tpi
-    import test_zero1 as tz
-
-    from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+    import tests.capture.test_capture as tc
+    import tests.checkpoint.test_checkpoint as tck
+    import tests.program_files.test_program_io as tpi
+    import tests.runtime.test_zero1 as tz
+    from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
     xy = (torch.randn(6, 8), torch.randn(6, 4))
@@ -49,7 +48,7 @@ def _models(quick: bool) -> dict:
     if not quick:
         models["llama"] = (tc.tiny_llama, tc.hf_lm_loss, tc.token_batches(1)[0])
         models["bert"] = (_bert, tc.hf_lm_loss, tc.token_batches(1)[0])
-        import test_zoo as tzoo
+        import tests.integration.test_zoo as tzoo
 
         for name in tzoo.SAVED_PROGRAMS:
             make, loss_fn, batch_of = tzoo.ZOO[name]
@@ -77,7 +76,7 @@ def _to(batch, device: str, dtype: torch.dtype | None = None):
 
 
 def collect(quick: bool = False, device: str = "cpu") -> set[str]:
-    import test_capture as tc
+    import tests.capture.test_capture as tc
 
     found: set[str] = set()
     strategies = [dict(), dict(max_grad_norm=1.0, grad_accumulation=2), dict(master_dtype=torch.float32)]

@@ -20,13 +20,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from graphfuse.launch import run_ranks
+from graphfuse.testing.launch import run_ranks
 
 WORLD_SIZE, STEPS, LR, MOMENTUM = 2, 4, 0.05, 0.9
 
 
 def mlp() -> nn.Module:
-    """The fixture's model; tests/test_program_io.py builds the same one."""
+    """The fixture's model; tests/program_files/test_program_io.py builds the same one."""
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
@@ -36,7 +36,7 @@ def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Ten
 
 
 def _rank(rank: int, world: int, out: str) -> None:
-    """One rank's part (graphfuse.launch.run_ranks made its Gloo group, one thread)."""
+    """One rank's part (graphfuse.testing.launch.run_ranks made its Gloo group, one thread)."""
     import graphfuse as gf
 
     g = torch.Generator().manual_seed(1234)

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 import graphfuse as gf
-from graphfuse.models import GPT, GPTConfig, synthetic_tokens
+from graphfuse.testing.models import GPT, GPTConfig, synthetic_tokens
 
 LR, WD = 3e-4, 0.1
 SIZES = {  # n_layer, n_head, n_embd, vocab, block

@@ -111,7 +111,7 @@ def _collectives_of(program) -> dict[str, Collective]:
     from graphfuse.passes import issues_collective
     from graphfuse.passes.verify import fake_values
 
-    from graphfuse import signature as sig
+    from graphfuse.ir import signature as sig
 
     values = fake_values(program)
     buckets = program.layout.buckets
@@ -223,11 +223,11 @@ def instrument(source: str, names: set[str], phase: dict[str, str]) -> str:
 
 
 def inductor_runner(program, args: list, marks: Marks):
-    """Compile as graphfuse.runtime does (in place), then run the instrumented wrapper code."""
+    """Compile as graphfuse.frontends.dist_model does (in place), then run the instrumented wrapper code."""
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
-    from graphfuse.execute import compile_in_place
+    from graphfuse.compiler.in_place import compile_in_place
 
     with inductor_config.patch(fx_graph_cache=False):  # a cache hit would generate no code to read
         _, codes = run_and_get_code(lambda: compile_in_place(program, args))
@@ -432,7 +432,7 @@ def trace_gpt(args, group: str) -> dict[str, object]:
     from graphfuse.passes import run_pipeline
 
     import graphfuse as gf
-    from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+    from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
     cfg = GPTConfig(**{**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if k in GPTConfig.__dataclass_fields__ and v is not None}})
     torch.manual_seed(0)
@@ -451,7 +451,7 @@ def trace_gpt(args, group: str) -> dict[str, object]:
 def inputs_for(program, device: str) -> list[torch.Tensor]:
     """Inputs of the program's shapes and dtypes: small random weights, zero optimizer states and
     token ids, and the host scalars of AdamW's first step at lr 1e-3."""
-    from graphfuse import signature as sig
+    from graphfuse.ir import signature as sig
 
     scalars = {f"group{g}.{k}": v for g, spec in enumerate(program.optim.groups) for k, v in spec.host_scalars(1e-3, 0.1, 1).items()}
     out = []
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_flush_denormal(True)  # random weights must not run into slow denormal arithmetic
     if args.program:
         import graphfuse as gf
-        from graphfuse.execute import rebind_group
+        from graphfuse.runtime.execute import rebind_group
 
         program = gf.load_program(args.program)
         program = rebind_group(program, fake_group(program.world_size))

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 import graphfuse as gf
-from graphfuse.launch import run_ranks
-from graphfuse.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+from graphfuse.testing.launch import run_ranks
+from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 CFG = GPTConfig(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
 

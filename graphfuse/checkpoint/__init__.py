@@ -5,12 +5,12 @@ views (`state`), in-memory loads (`memory`), frozen parameters' state (`carried`
 
 from __future__ import annotations
 
-from graphfuse.checkpoint.agree import DEFAULT_TIMEOUT
 from graphfuse.checkpoint.loading import load
 from graphfuse.checkpoint.manager import Checkpointer
 from graphfuse.checkpoint.memory import load_state_dict
 from graphfuse.checkpoint.record import MODES
 from graphfuse.checkpoint.saving import SaveHandle, save
 from graphfuse.checkpoint.state import state_dict
+from graphfuse.ranks import DEFAULT_TIMEOUT
 
 __all__ = ["DEFAULT_TIMEOUT", "MODES", "Checkpointer", "SaveHandle", "load", "load_state_dict", "save", "state_dict"]

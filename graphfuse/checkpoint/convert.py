@@ -30,7 +30,7 @@ from graphfuse.checkpoint.storage import (
     read_dcp_metadata,
 )
 from graphfuse.errors import CheckpointError
-from graphfuse.layout import BucketLayout
+from graphfuse.ir.layout import BucketLayout
 
 Progress = Callable[[str], None]  # told each stage's name as it starts
 

@@ -1,5 +1,5 @@
 """`load` from torch.distributed.checkpoint (DCP): every rank validates, then reads into staging
-buffers, meeting the others after each stage (agree.Exchange); the live buffers change only
+buffers, meeting the others after each stage (ranks.Exchange); the live buffers change only
 after every rank read and checked all of it."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from graphfuse.checkpoint import carried, directory, record, state
-from graphfuse.checkpoint.agree import FAILURES, describe, exchange
-from graphfuse.checkpoint.plan import Piece, StatePlan
+from graphfuse.checkpoint.agree import exchange
 from graphfuse.checkpoint.record import Record
 from graphfuse.checkpoint.saving import join
 from graphfuse.checkpoint.storage import (
@@ -30,6 +29,8 @@ from graphfuse.checkpoint.storage import (
     tensor_md,
 )
 from graphfuse.errors import CheckpointError, CheckpointMismatchError
+from graphfuse.ir.state_plan import Piece, StatePlan
+from graphfuse.ranks import FAILURES, describe
 
 
 # ---- load -----------------------------------------------------------------------------------

@@ -17,10 +17,11 @@ import torch
 
 from graphfuse.atomic_dir import MARKER
 from graphfuse.checkpoint import directory, record
-from graphfuse.checkpoint.agree import FAILURES, exchange
+from graphfuse.checkpoint.agree import exchange
 from graphfuse.checkpoint.loading import load
 from graphfuse.checkpoint.saving import SaveHandle, join, save
 from graphfuse.errors import CheckpointError
+from graphfuse.ranks import FAILURES
 
 log = logging.getLogger("graphfuse")
 FORMAT = 1  # of the `extra` a Checkpointer saves: {"checkpointer", "step", "scheduler", "ranks"}

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from graphfuse.errors import CheckpointError, GraphfuseError
-from graphfuse.layout import BucketLayout
+from graphfuse.ir.layout import BucketLayout
 
 FORMAT = 2  # 2: adds "optimizer", "save_id" and the record's own "crc32"; format 1 still loads
 MODES = ("unbalanced", "balanced")

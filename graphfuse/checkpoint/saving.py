@@ -1,6 +1,6 @@
 """`save` on torch.distributed.checkpoint (DCP), now or in the background: every rank writes
 into `<path>.saving`, rank 0 verifies every rank's files and only then publishes, and the ranks
-meet after each stage (agree.Exchange) so a failure anywhere ends the save everywhere."""
+meet after each stage (ranks.Exchange) so a failure anywhere ends the save everywhere."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from graphfuse import atomic_dir
 from graphfuse.checkpoint import directory, state
-from graphfuse.checkpoint.agree import FAILURES, Exchange, describe, exchange
+from graphfuse.checkpoint.agree import exchange
 from graphfuse.checkpoint.record import Record
 from graphfuse.checkpoint.storage import (
     DCP_META,
@@ -35,7 +35,7 @@ from graphfuse.checkpoint.storage import (
     verify_files,
 )
 from graphfuse.errors import CheckpointError
-from graphfuse.ranks import hold
+from graphfuse.ranks import FAILURES, Exchange, describe, hold
 
 _pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DistModel -> its SaveHandle in flight
 _side_groups: dict[tuple[int, ...], Callable] = {}  # ranks -> weak handle (ranks.hold) on their group for background saves

@@ -9,13 +9,14 @@ from collections.abc import Callable, Iterable
 import torch
 
 from graphfuse import optim as gopt
-from graphfuse import signature as sig
 from graphfuse.checkpoint import carried
-from graphfuse.checkpoint.plan import MASTER, Piece, StatePlan, plan_of
+from graphfuse.checkpoint.plan import plan_of
 from graphfuse.checkpoint.record import FORMAT, MODES, Record
 from graphfuse.checkpoint.storage import Chunks
 from graphfuse.errors import CheckpointError, CheckpointMismatchError, UnsupportedError
-from graphfuse.optimizers import torch_host_states
+from graphfuse.ir import signature as sig
+from graphfuse.ir.state_plan import MASTER, Piece, StatePlan
+from graphfuse.optim import torch_host_states
 
 SCHEDULER_KEYS = {"initial_lr"}  # hyper-parameters torch's LR schedulers add to any optimizer's groups
 

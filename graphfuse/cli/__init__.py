@@ -122,19 +122,19 @@ def _report(args) -> int:
 
 def _demo(args) -> int:
     print("graphfuse demo: loading torch and graphfuse", flush=True)  # an import takes seconds: say so first
-    from graphfuse.demo import run_demo
+    from graphfuse.cli.demo import run_demo
 
     return run_demo(args)
 
 
 def _ckpt_info(args) -> int:
-    from graphfuse import checkpoint_cli
+    from graphfuse.cli import ckpt as checkpoint_cli
 
     return checkpoint_cli.cli_info(args.path, verify=not args.no_verify, as_json=args.json)
 
 
 def _ckpt_convert(args) -> int:
-    from graphfuse import checkpoint_cli
+    from graphfuse.cli import ckpt as checkpoint_cli
 
     return checkpoint_cli.cli_convert(args.src, args.dst, args.to)
 
@@ -144,7 +144,7 @@ def _program_info(args) -> int:
         from graphfuse.cli.inspect import run_inspect
 
         return run_inspect(argparse.Namespace(path=args.path, rank=None, code=False, no_verify=False, json=True))
-    from graphfuse.program_files.info import cli_info
+    from graphfuse.cli.program_info import cli_info
 
     return cli_info(args.path, code=args.code)
 

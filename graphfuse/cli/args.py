@@ -4,7 +4,12 @@ one line and exit 2, never a traceback from deep inside), and the CLI's two erro
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
+
+from rich.console import Console
+
+from graphfuse.program_files.files import MANIFEST
 
 
 class UsageError(Exception):
@@ -85,3 +90,38 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                    help="resolve the Strategy's 'auto' settings for this backend (default: gloo on CPU, nccl on CUDA)")
     p.add_argument("--json", action="store_true", help="print what was written as one JSON object")
+
+
+class _PipedConsole(Console):
+    """rich exits with status 1 when stdout is closed; the command's main says 141 instead."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # print nothing more
+        raise BrokenPipeError("stdout was closed")
+
+
+def wide_console() -> Console:
+    """A console that never cuts or folds a cell: as wide as a row needs, in a pipe too (a
+    terminal narrower than a row wraps it, which loses nothing)."""
+    return _PipedConsole(width=max(shutil.get_terminal_size().columns, 100_000), highlight=False, soft_wrap=True)
+
+
+CHECKPOINT_MARKS = ("graphfuse.json", ".metadata")
+
+
+def kind_of(path: Path) -> str:
+    """What `path` holds, told by its contents: "trace", "program" or "checkpoint"."""
+    if path.is_dir():
+        if (path / TRACE_FILE).is_file():
+            return "trace"
+        if (path / MANIFEST).is_file():
+            return "program"
+        if any((path / m).is_file() for m in CHECKPOINT_MARKS):
+            return "checkpoint"
+    raise UsageError(
+        f"{path}: not a program directory ({MANIFEST}), a `graphfuse trace` output ({TRACE_FILE}) "
+        f"or a checkpoint ({' or '.join(CHECKPOINT_MARKS)})"
+    )
+
+
+TRACE_FILE = "trace.json"  # beside the rank<R>/ program directories: what program files do not keep

@@ -8,10 +8,10 @@ from collections import Counter
 
 import torch.fx
 
-from graphfuse import signature as sig
-from graphfuse.layout import BucketLayout, itemsize
+from graphfuse.ir import signature as sig
+from graphfuse.ir.layout import BucketLayout, itemsize
+from graphfuse.ir.program import Program
 from graphfuse.passes import issues_collective
-from graphfuse.program import Program
 
 WAIT = "_c10d_functional.wait_tensor"
 

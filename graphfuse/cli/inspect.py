@@ -4,50 +4,16 @@ passes, as tables, as JSON (`--json`) or as the program's Python code (`--code`)
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 import graphfuse as gf
-from graphfuse.cli.args import UsageError, existing
+from graphfuse.cli.args import UsageError, existing, kind_of, wide_console
 from graphfuse.cli.facts import owners_text, program_facts, slices_text
-from graphfuse.cli.trace import TRACE_FILE, read_trace
+from graphfuse.cli.trace import read_trace
+from graphfuse.ir.program import Program
 from graphfuse.passes.verify import fake_values
-from graphfuse.program import Program
-from graphfuse.program_files.files import MANIFEST
-
-CHECKPOINT_MARKS = ("graphfuse.json", ".metadata")
-
-
-class _PipedConsole(Console):
-    """rich exits with status 1 when stdout is closed; the command's main says 141 instead."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True  # print nothing more
-        raise BrokenPipeError("stdout was closed")
-
-
-def wide_console() -> Console:
-    """A console that never cuts or folds a cell: as wide as a row needs, in a pipe too (a
-    terminal narrower than a row wraps it, which loses nothing)."""
-    return _PipedConsole(width=max(shutil.get_terminal_size().columns, 100_000), highlight=False, soft_wrap=True)
-
-
-def kind_of(path: Path) -> str:
-    """What `path` holds, told by its contents: "trace", "program" or "checkpoint"."""
-    if path.is_dir():
-        if (path / TRACE_FILE).is_file():
-            return "trace"
-        if (path / MANIFEST).is_file():
-            return "program"
-        if any((path / m).is_file() for m in CHECKPOINT_MARKS):
-            return "checkpoint"
-    raise UsageError(
-        f"{path}: not a program directory ({MANIFEST}), a `graphfuse trace` output ({TRACE_FILE}) "
-        f"or a checkpoint ({' or '.join(CHECKPOINT_MARKS)})"
-    )
 
 
 def load(path: str, rank: int | None) -> tuple[Program, dict]:
@@ -85,7 +51,7 @@ def with_values(program: Program) -> Program:
 def run_inspect(args) -> int:
     where = existing(args.path)
     if kind_of(where) == "checkpoint":
-        from graphfuse import checkpoint_cli
+        from graphfuse.cli import ckpt as checkpoint_cli
 
         return checkpoint_cli.cli_info(args.path, verify=not args.no_verify, as_json=args.json)
     program, facts = load(args.path, args.rank)

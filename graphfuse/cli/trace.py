@@ -17,14 +17,13 @@ import torch
 
 import graphfuse as gf
 from graphfuse import atomic_dir
-from graphfuse.capture import capture
-from graphfuse.cli.args import CliFailure, UsageError
+from graphfuse.capture.step import capture
+from graphfuse.cli.args import TRACE_FILE, CliFailure, UsageError
 from graphfuse.errors import GraphfuseError
+from graphfuse.ir.program import Program
 from graphfuse.passes import run_pipeline, verify
-from graphfuse.program import Program
 from graphfuse.program_files.files import PROGRAM_DIR
 
-TRACE_FILE = "trace.json"  # beside the rank<R>/ program directories: what program files do not keep
 TRACE_FORMAT = 1
 RANK_DIR = re.compile(r"rank\d+")  # the program directories a trace writes beside trace.json
 # The name torch gives the default process group: a program planned here runs as it is under

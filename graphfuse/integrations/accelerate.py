@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch.nn.modules.module import _IncompatibleKeys
 
 from graphfuse.errors import UnsupportedError
-from graphfuse.sharded_optimizer import ShardedOptimizer, shard_optimizer
+from graphfuse.frontends.sharded_optimizer import ShardedOptimizer, shard_optimizer
 from graphfuse.strategy import Strategy
 
 _MODELS: weakref.WeakSet = weakref.WeakSet()  # models whose parameters are views into a sharded optimizer's buckets

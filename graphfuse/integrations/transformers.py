@@ -13,8 +13,8 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from graphfuse.checkpoint import load, save
 from graphfuse.errors import UnsupportedError
+from graphfuse.frontends.sharded_optimizer import ShardedOptimizer
 from graphfuse.integrations.accelerate import install, place, prepare_model, prepare_optimizer, shard, sharded_of
-from graphfuse.sharded_optimizer import ShardedOptimizer
 from graphfuse.strategy import Strategy
 
 STATE_DIR = "graphfuse"  # in each checkpoint-<step>: the optimizer state and weights, balanced (any world size)

@@ -8,11 +8,11 @@ import json
 import torch
 import torch.utils._pytree as pytree
 
-from graphfuse import signature as sig
 from graphfuse.errors import GraphfuseError
-from graphfuse.layout import FORMAT as LAYOUT_FORMAT
-from graphfuse.layout import BucketLayout
-from graphfuse.program import Program
+from graphfuse.ir import signature as sig
+from graphfuse.ir.layout import FORMAT as LAYOUT_FORMAT
+from graphfuse.ir.layout import BucketLayout
+from graphfuse.ir.program import Program
 
 from .limits import MAX_DEPTH, MAX_NUMEL
 from .values import DEVICE, Malformed, dims, dtype, short

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from graphfuse.errors import GraphfuseError, ProgramFormatError
+from graphfuse.ir.program import Program
 from graphfuse.passes.verify import check_values, fake_values, verify
-from graphfuse.program import Program
 
 from .files import GRAPH
 from .values import short

@@ -9,9 +9,9 @@ import operator
 import torch
 import torch.fx
 
-from graphfuse import signature as sig
 from graphfuse.errors import UnsupportedError
-from graphfuse.layout import BucketLayout
+from graphfuse.ir import signature as sig
+from graphfuse.ir.layout import BucketLayout
 
 from .layers import describe
 from .limits import MAX_NODES

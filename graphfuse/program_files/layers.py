@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graphfuse import signature as sig
-from graphfuse.layout import BucketLayout
+from graphfuse.ir import signature as sig
+from graphfuse.ir.layout import BucketLayout
 
 SEARCHED = 64  # nodes looked at, nearest first: a hint, never a walk over the whole graph
 NAMED = (sig.PARAM, sig.FROZEN, sig.BUFFER)

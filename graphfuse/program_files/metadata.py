@@ -7,11 +7,10 @@ import dataclasses
 
 import torch.fx
 
-from graphfuse import signature as sig
 from graphfuse.errors import GraphfuseError
-from graphfuse.optim import GroupSpec, OptimSpec
-from graphfuse.optimizers import CLASSES, RULES
-from graphfuse.program import PassRun, Program, TensorMeta
+from graphfuse.ir import signature as sig
+from graphfuse.ir.program import PassRun, Program, TensorMeta
+from graphfuse.optim import CLASSES, RULES, GroupSpec, OptimSpec
 from graphfuse.strategy import Strategy
 
 from . import checks

@@ -13,8 +13,8 @@ import torch
 
 from graphfuse._version import __version__
 from graphfuse.errors import GraphfuseError, ProgramFormatError, UnsupportedError
+from graphfuse.ir.program import Program
 from graphfuse.passes import pass_name, serializer
-from graphfuse.program import Program
 
 from . import checks, fake_run
 from .files import (

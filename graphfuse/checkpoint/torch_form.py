@@ -1,0 +1,135 @@
+"""The optimizer state graphfuse holds, in torch.optim's form: full tensors gathered from the
+shards (one all-gather per state shard), keyed by FQN or, as `torch.optim.Optimizer.state_dict()`
+keys them, by parameter index; and loading either form (or a plain torch optimizer's
+state_dict(), or one saved before its first step) through graphfuse.checkpoint's validated
+in-memory load. Used by both owners of training state: a DistModel and a ShardedOptimizer."""
+
+from __future__ import annotations
+
+import torch
+
+from graphfuse.checkpoint.memory import load_state_dict
+from graphfuse.checkpoint.state import plan
+from graphfuse.errors import CheckpointMismatchError, UnsupportedError
+from graphfuse.ir import signature as sig
+from graphfuse.ir.state_plan import MASTER
+from graphfuse.optim import torch_host_states
+from graphfuse.ranks import Exchange, all_gather_flat, backend_of
+
+TORCH_MODE = "torch"
+TIMEOUT = 300.0  # seconds a rank waits for the others to call state_dict() too (a test may lower it)
+
+
+def _gather(owner, shard: torch.Tensor) -> torch.Tensor:
+    """The whole bucket-sized tensor of which every rank holds `shard`."""
+    if owner.world_size == 1:
+        return shard
+    # Gloo gathers host tensors only; the state goes back to the shard's device.
+    host = backend_of(owner.group, shard.device.type) == "gloo" and shard.device.type != "cpu"
+    src = shard.cpu() if host else shard.contiguous()
+    whole = src.new_empty(src.numel() * owner.world_size)
+    all_gather_flat(whole, src, owner.group)
+    return whole.to(shard.device)
+
+
+def param_fqns(owner) -> list[str]:
+    """The FQN of every parameter of the optimizer's param groups, in torch.optim's index order
+    (a tied parameter by its first name, as model.named_parameters() gives it)."""
+    fqn = {id(p): n for n, p in owner.model.named_parameters()}
+    return [fqn[id(p)] for g in owner.optimizer.param_groups for p in g["params"]]
+
+
+def torch_form(owner, by_index: bool = False) -> dict:
+    """{"state": {fqn: {state: full tensor, "step"}}, "param_groups": [{..., "params": [fqn]}]}:
+    what get_optimizer_state_dict(model, optim, StateDictOptions(full_state_dict=True)) gives
+    for the same plain torch optimizer, so that torch.optim loading it steps on exactly as
+    graphfuse would. `by_index`: keyed by parameter index instead, as torch.optim's own
+    `state_dict()` (what DCP's get_state_dict and accelerate read). A param group that has not
+    stepped yet has no state, as in torch.optim. Collective: every rank must call it. fp32
+    master weights are left out (torch.optim has none); loading derives them from the weights."""
+    if owner.world_size > 1:  # the gathers are collectives: a call on one rank only would hang in them
+        ask = "optimizer.state_dict() gathers the optimizer state, which graphfuse holds in shards across ranks"
+        Exchange(owner.group, owner.rank, owner.world_size, owner.group_name, TIMEOUT, error=UnsupportedError)(
+            f"{ask}, so every rank must call it (a call on rank 0 only cannot complete; gf.save writes each rank's "
+            "shards without gathering)",
+            None,
+        )
+    program, steps = owner.program, owner.steps
+    stepped = {f for g, spec in enumerate(program.optim.groups) if steps[g] > 0 for f in spec.params}
+    shards = program.signature.names(sig.SHARD)
+    state: dict[str, dict] = {}
+    with torch.no_grad():
+        for bucket in owner.layout.buckets:
+            for name in (n for n in shards if n.split(".", 1)[0] == bucket.name):
+                what = name.split(".", 1)[1]
+                if what == MASTER or not stepped.intersection(bucket.fqns):
+                    continue
+                whole = _gather(owner, owner.tensors[name])
+                for slot in bucket.slots:
+                    if slot.fqn in stepped:
+                        state.setdefault(slot.fqn, {})[what] = whole[slice(*slot.data_range)].view(slot.shape).clone()
+    groups = owner.optimizer.param_groups
+    for g, spec in enumerate(program.optim.groups):
+        if spec.has_step and steps[g] > 0:
+            # and the 0-d states graphfuse computes on the host (NAdam's mu_product, ASGD's eta and mu)
+            host = torch_host_states(spec, steps[g], owner.carried[g], float(groups[g]["lr"]))
+            for fqn in spec.params:
+                state.setdefault(fqn, {}).update(step=torch.tensor(float(steps[g])), **{k: v.clone() for k, v in host.items()})
+    form = {
+        "state": state,
+        "param_groups": [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(spec.params)}
+            for group, spec in zip(groups, program.optim.groups)
+        ],
+    }
+    return _by_index(owner, form) if by_index else form
+
+
+def _by_index(owner, form: dict) -> dict:
+    """`form` keyed as torch.optim.Optimizer.state_dict() keys it: every parameter of the param
+    groups by its position (frozen ones too), the state ordered by that position."""
+    fqns = param_fqns(owner)
+    index = {f: i for i, f in enumerate(fqns)}
+    groups, at = [], 0
+    for group, live in zip(form["param_groups"], owner.optimizer.param_groups):
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + len(live["params"])))})
+        at += len(live["params"])
+    state = {index[f]: form["state"][f] for f in fqns if f in form["state"]}
+    return {"state": state, "param_groups": groups}
+
+
+def _fresh_state(owner) -> dict[str, dict]:
+    """The state of an optimizer that never stepped, as a checkpoint would hold it: zeros in
+    every state's full shape, step 0 (loading it resets the shards, as loading torch.optim's
+    empty state resets a torch optimizer)."""
+    state: dict[str, dict] = {}
+    for piece in plan(owner).balanced:
+        if piece.path[0] == "optim" and piece.path[-1] != MASTER:
+            fqn, what = piece.path[2], piece.path[3]
+            state.setdefault(fqn, {})[what] = torch.zeros(piece.shape, dtype=getattr(torch, piece.dtype))
+    for spec in owner.program.optim.groups:
+        if spec.has_step:
+            for fqn in spec.params:
+                state.setdefault(fqn, {})["step"] = torch.tensor(0.0)
+    return state
+
+
+def load_torch_form(owner, sd: dict) -> None:
+    """Load {"state", "param_groups"} keyed by FQN, or by parameter index in param-group order
+    (a plain torch optimizer's state_dict()); the weights are left as they are. An empty
+    "state" (an optimizer saved before its first step) resets the optimizer to that."""
+    names = param_fqns(owner)
+
+    def fqn(key) -> str:
+        if isinstance(key, int):
+            if not 0 <= key < len(names):
+                raise CheckpointMismatchError(
+                    f"state dict: parameter index {key} is out of range; this optimizer has {len(names)} parameters"
+                )
+            return names[key]
+        return key
+
+    state = {fqn(k): v for k, v in sd["state"].items()} or _fresh_state(owner)
+    groups = [{**g, "params": [fqn(k) for k in g.get("params", [])]} for g in sd["param_groups"]]
+    model = {k: v.detach().clone() for k, v in owner.model.state_dict().items()}
+    load_state_dict(owner, {"model": model, "optim": {"state": state, "param_groups": groups}})

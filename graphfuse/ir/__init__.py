@@ -1,0 +1,2 @@
+"""The values every stage hands on: Program and TensorMeta, the Signature of roles, the bucket layout,
+the aligned blocks."""

@@ -1,0 +1,105 @@
+"""`Program`: a traced training step (an aten-level FX graph) and the roles of its values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch.fx
+
+from graphfuse.ir.signature import Signature
+from graphfuse.optim import OptimSpec
+from graphfuse.strategy import Strategy
+
+if TYPE_CHECKING:
+    from graphfuse.ir.layout import BucketLayout
+    from graphfuse.ir.state_plan import StatePlan
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and device of one placeholder, as the runtime must allocate it."""
+
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "bfloat16", ...
+    device: str  # "cpu", "cuda", ... (the type only: a program runs on any index)
+
+    def to_json(self) -> list:
+        return [list(self.shape), self.dtype, self.device]
+
+    @classmethod
+    def from_json(cls, d: list) -> TensorMeta:
+        return cls(tuple(d[0]), d[1], d[2])
+
+
+@dataclass(frozen=True)
+class PassRun:
+    """A pass that ran on a program, by name, with what it did. Only the name is compared and
+    saved: the statistics describe one run (they are logged at DEBUG by the pipeline)."""
+
+    name: str
+    nodes_added: int = field(default=0, compare=False)
+    nodes_removed: int = field(default=0, compare=False)
+    collectives_added: int = field(default=0, compare=False)
+    seconds: float = field(default=0.0, compare=False)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Handoffs:
+    """Graph values one pass hands a later one, one node per bucket in layout order. They exist
+    only while the pipeline runs (run_pipeline drops them); no file holds them."""
+
+    grad_shards: tuple[torch.fx.Node, ...] | None = None  # averaged gradient shard (reduce_scatter, clip_grad_norm)
+    param_shards: tuple[torch.fx.Node, ...] | None = None  # updated shard in the bucket's dtype (sharded_update)
+
+    def nodes(self) -> list[torch.fx.Node]:
+        return [n for f in (self.grad_shards, self.param_shards) if f is not None for n in f]
+
+
+@dataclass(frozen=True)
+class Program:
+    """One rank's training step: `graph_module(*inputs) -> outputs`, inputs and outputs in
+    the order of `signature`, plus what the runtime needs to own its tensors."""
+
+    graph_module: torch.fx.GraphModule
+    signature: Signature
+    optim: OptimSpec
+    inputs_meta: dict[str, TensorMeta]  # placeholder name -> how to allocate it
+    strategy: Strategy = field(default_factory=Strategy)
+    layout: BucketLayout | None = None
+    passes: tuple[PassRun, ...] = ()  # what ran since capture, in order
+    world_size: int = 1
+    rank: int = 0
+    group_name: str = ""  # the process group the collectives in the graph run on
+    state_plan: StatePlan | None = None  # how state is saved and loaded (the serializer pass)
+    handoffs: Handoffs = field(default_factory=Handoffs)  # pass-to-pass values, inside the pipeline only
+
+    def with_(self, **changes) -> Program:
+        return replace(self, **changes)
+
+    def handing_off(self, **nodes: tuple[torch.fx.Node, ...]) -> Program:
+        """This program with the hand-offs `nodes` (Handoffs fields) set."""
+        return self.with_(handoffs=replace(self.handoffs, **nodes))
+
+    @property
+    def pass_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.passes)
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+    def placeholders(self) -> list[torch.fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def output_args(self) -> list[torch.fx.Node]:
+        return list(self.graph.output_node().args[0])
+
+    def node(self, name: str) -> torch.fx.Node:
+        for n in self.graph.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
