@@ -21,7 +21,18 @@ import torch.multiprocessing as mp
 c10d = torch.ops._c10d_functional
 
 
-def rank_main(rank: int, world: int, store: str, inflight: int, numel: int, steps: int, threads: int, ops: str, keep: bool, barrier: bool) -> None:
+def rank_main(
+    rank: int,
+    world: int,
+    store: str,
+    inflight: int,
+    numel: int,
+    steps: int,
+    threads: int,
+    ops: str,
+    keep: bool,
+    barrier: bool,
+) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{store}")
     name = dist.group.WORLD.group_name
@@ -50,7 +61,21 @@ def one_run(args) -> str:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as d:
         procs = [
-            ctx.Process(target=rank_main, args=(r, args.ranks, os.path.join(d, "store"), args.inflight, args.numel, args.steps, args.threads, args.ops, args.keep_inputs, args.barrier))
+            ctx.Process(
+                target=rank_main,
+                args=(
+                    r,
+                    args.ranks,
+                    os.path.join(d, "store"),
+                    args.inflight,
+                    args.numel,
+                    args.steps,
+                    args.threads,
+                    args.ops,
+                    args.keep_inputs,
+                    args.barrier,
+                ),
+            )
             for r in range(args.ranks)
         ]
         for p in procs:

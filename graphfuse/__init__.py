@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from graphfuse import checkpoint
 from graphfuse._version import __version__
 from graphfuse.capture.step import capture
 from graphfuse.checkpoint import Checkpointer
@@ -37,7 +38,7 @@ _install_logging()  # INFO lines on rank 0 only; GRAPHFUSE_LOG (see graphfuse.lo
 
 def compile(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     loss_fn: Callable,
     example_batch,
     strategy: Strategy | None = None,
@@ -50,7 +51,9 @@ def compile(
         model: the module to train; its parameters become views into the buckets.
         optimizer: a torch.optim optimizer over the model's parameters (docs/models.md lists
             those supported), fresh; after this call its state_dict() and load_state_dict()
-            speak for the shards and its step() raises (docs/habits.md).
+            speak for the shards and its step() raises (docs/habits.md). A list of optimizers over
+            disjoint parameters (torch.optim.Muon for the hidden matrices, AdamW for the rest)
+            steps as one, each param group with its own optimizer's math.
         loss_fn: `loss_fn(model, batch) -> scalar tensor`.
         example_batch: a pytree of tensors shaped as the batches to come.
         strategy: the configuration (gf.Strategy()); None: the defaults.
@@ -79,15 +82,11 @@ def save(
     to directory `path` (atomic; see graphfuse.checkpoint).
     `timeout`: seconds a rank waits for the others at each stage (default 300); `async_`:
     write in the background and return a handle whose `wait()` joins it."""
-    from graphfuse import checkpoint
-
     return checkpoint.save(dm, path, mode=mode, extra=extra, timeout=timeout, async_=async_)
 
 
 def load(dm: DistModel | ShardedOptimizer, path, timeout: float | None = None):
     """Load the checkpoint at `path` into `dm` in place; returns the `extra` saved with it."""
-    from graphfuse import checkpoint
-
     return checkpoint.load(dm, path, timeout=timeout)
 
 

@@ -91,7 +91,9 @@ def make_parents(kind: Kind, p: Path) -> None:
         if d.is_dir():
             break
         if os.path.lexists(d):
-            raise kind.error(f"{d}: exists and is not a directory, so {p} cannot be written under it; choose another path")
+            raise kind.error(
+                f"{d}: exists and is not a directory, so {p} cannot be written under it; choose another path"
+            )
         missing.append(d)
     for d in reversed(missing):
         d.mkdir(exist_ok=True)  # another rank or process may create it at the same moment

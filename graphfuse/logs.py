@@ -13,8 +13,13 @@ from graphfuse.errors import GraphfuseError
 
 LOGGER = "graphfuse"
 ENV = "GRAPHFUSE_LOG"
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
-          "off": logging.CRITICAL + 1}
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "off": logging.CRITICAL + 1,
+}
 
 
 def rank() -> int:

@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.nn.parallel import DistributedDataParallel
 
 from graphfuse.errors import CheckpointError, CheckpointMismatchError, GraphfuseError, UnsupportedError
 
@@ -37,6 +38,8 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | Non
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1, 0, ""
         group = dist.group.WORLD
+        # torch types WORLD as optional; it is set whenever is_initialized() is true
+        assert group is not None, "torch.distributed is initialised without a world group"
     return group, dist.get_world_size(group), dist.get_rank(group), group.group_name
 
 
@@ -56,15 +59,17 @@ def refuse_ddp(owns: Callable[[list], bool]) -> None:
     """Refuse a region dynamo compiles inside DistributedDataParallel's forward when a
     gf.shard_optimizer owns the DDP module's parameters (`owns(parameters)`): graphfuse's optimizer
     averages the gradients itself, and dynamo's DDPOptimizer splits the graph at DDP's buckets."""
-    from torch.nn.parallel import DistributedDataParallel
-
     ddp = DistributedDataParallel._get_active_ddp_module()
     if ddp is not None and owns(list(ddp.parameters())):
         raise UnsupportedError(
-            "a model wrapped in DistributedDataParallel is compiled with backend='graphfuse' while a gf.shard_optimizer "
-            "owns its parameters: DDP would all-reduce every gradient that graphfuse's optimizer reduce-scatters itself "
-            "(and dynamo compiles DDP's regions apart). graphfuse's optimizer is the data parallelism: train the model without "
-            "DDP (Hugging Face: graphfuse.integrations.transformers.GraphfuseTrainer, graphfuse.integrations.accelerate.prepare)"
+            "a model wrapped in DistributedDataParallel is compiled with backend='graphfuse' while a "
+            "gf.shard_optimizer "
+            "owns its parameters: DDP would all-reduce every gradient that graphfuse's optimizer "
+            "reduce-scatters itself "
+            "(and dynamo compiles DDP's regions apart). graphfuse's optimizer is the data parallelism: train "
+            "the model without "
+            "DDP (Hugging Face: graphfuse.integrations.transformers.GraphfuseTrainer, "
+            "graphfuse.integrations.accelerate.prepare)"
         )
 
 
@@ -95,7 +100,7 @@ def hold(group: dist.ProcessGroup | None) -> Callable[[], dist.ProcessGroup | No
 
 
 class HeldGroup:
-    """The `group` attribute of an object that runs collectives (DistModel, ShardedOptimizer):
+    """The `group` attribute of an object that runs collectives (runtime/bound.py's BoundProgram):
     assigned as usual, held weakly (`hold`), and read back as the group, or None without one.
     Read after torch destroyed the group, it raises naming the way out: graphfuse never runs
     a collective on a destroyed group, nor keeps one alive to do so."""
@@ -112,10 +117,11 @@ class HeldGroup:
             raise AttributeError(self.name) from None
         group = handle()
         if group is None and handle is not _no_group:
+            held_for = getattr(obj, "held_for", type(obj).__name__)  # a BoundProgram names its frontend
             raise UnsupportedError(
-                f"the process group of this {type(obj).__name__} was destroyed (torch.distributed."
+                f"the process group of this {held_for} was destroyed (torch.distributed."
                 "destroy_process_group()); graphfuse runs no collective after it: initialise a new group, build a new "
-                f"{type(obj).__name__} (gf.compile or gf.shard_optimizer) and gf.load the last checkpoint"
+                f"{held_for} (gf.compile or gf.shard_optimizer) and gf.load the last checkpoint"
             )
         return group
 
@@ -130,7 +136,9 @@ def destroy_left_at_exit() -> None:
     torch's own references to destroyed groups are dropped (`unpin_destroyed_groups`). Saves in the
     background are joined before (they are non-daemon threads)."""
     if _bound[0] and dist.is_available() and dist.is_initialized():
-        log.info("graphfuse: destroying the process group left at exit (call dist.destroy_process_group() to do it yourself)")
+        log.info(
+            "graphfuse: destroying the process group left at exit (call dist.destroy_process_group() to do it yourself)"
+        )
         try:
             dist.destroy_process_group()
         except Exception as e:  # at exit, a failure to clean up is only worth a line
@@ -235,7 +243,8 @@ class Exchange:
     def __call__(self, op: str, error: BaseException | None, payload=None) -> list:
         """Every rank's `payload`, once all ranks reported success for `op`; else raises on
         every rank the first failing rank's error (or a timeout naming the missing ranks)."""
-        if self.world_size == 1:
+        store = self.store  # None exactly at world size 1
+        if store is None:
             if error is not None:
                 _raise(op, {0: (type(error).__name__, describe(error))}, error, 0, self.error)
             return [payload]
@@ -244,24 +253,26 @@ class Exchange:
         status = {"payload": payload}
         if error is not None:
             status = {"error": [type(error).__name__, describe(error)], "origin": origin(error, self.rank)}
-        self.store.set(key.format(self.rank), json.dumps(status))
+        store.set(key.format(self.rank), json.dumps(status))
         keys = [key.format(r) for r in range(self.world_size)]
         abandoned = f"{self.prefix}/{seq}/abandoned"
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
+            store.wait(keys, timedelta(seconds=self.timeout))
         except Exception:  # the store's timeout: say who never came, and warn latecomers
-            self.store.set(abandoned, str(self.rank))
-            missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])] or [self.rank]
+            store.set(abandoned, str(self.rank))
+            missing = [r for r in range(self.world_size) if not store.check([keys[r]])] or [self.rank]
             late = {
                 r: ("CheckpointError", f"no report within {self.timeout:g} s (it failed or hangs)") for r in missing
             }
             _raise(op, late, error, self.rank, self.error)
-        if self.store.check([abandoned]):
-            gave_up = int(self.store.get(abandoned))
-            _raise(op, {gave_up: ("CheckpointError", "gave up waiting for the other ranks")}, error, self.rank, self.error)
-        statuses = [json.loads(self.store.get(k)) for k in keys]
+        if store.check([abandoned]):
+            gave_up = int(store.get(abandoned))
+            _raise(
+                op, {gave_up: ("CheckpointError", "gave up waiting for the other ranks")}, error, self.rank, self.error
+            )
+        statuses = [json.loads(store.get(k)) for k in keys]
         if seq >= 2:  # every rank has read exchange seq-2 before it reported at seq-1
-            self.store.delete_key(f"{self.prefix}/{seq - 2}/{self.rank}")
+            store.delete_key(f"{self.prefix}/{seq - 2}/{self.rank}")
         failures: dict[int, tuple[str, str]] = {}  # by the rank each failure began on
         for r, s in enumerate(statuses):
             if "error" in s:

@@ -29,7 +29,8 @@ class Strategy:
     """
 
     bucket_size_mb: float = 256.0
-    """Cap on a bucket's padded size in MiB (Paddle: comm_buffer_size_MB); a larger parameter gets a bucket of its own."""
+    """Cap on a bucket's padded size in MiB (Paddle: comm_buffer_size_MB); a larger parameter gets
+    a bucket of its own."""
     align_bytes: int = 256
     """Every parameter starts on this byte boundary in its bucket (a power of two); padding is zero."""
     checkpoint_mode: CheckpointMode = "unbalanced"
@@ -64,6 +65,16 @@ class Strategy:
     the model's views of other ranks' shards are one step old until `DistModel.sync()`. "auto": on for NCCL
     (collectives overlap compute), off for Gloo (one collective in flight: the gathers would run back to
     back at the head) and without a runtime. Default False until GPU measurements (docs/benchmarks.md) decide."""
+    fuse_loss: bool = False
+    """Compute the output projection and the cross-entropy a chunk of tokens at a time (passes/fuse_loss.py)
+    where the step shows them (mm by a parameter, optional cast, log_softmax + nll_loss, mean or sum, no class
+    weights): the full [tokens, vocab] logits and their fp32 copy never exist, and the head weight's and the
+    hidden states' gradients are made chunk by chunk. The loss and the hidden states' gradient are the unfused
+    step's to the bit on CPU; the head weight's gradient is summed over chunks in another order (docs/design.md
+    gives the measured difference). Off: the eager program then stays bitwise with eager PyTorch."""
+    loss_chunk_tokens: int | Literal["auto"] = "auto"
+    """Tokens per chunk of fuse_loss. "auto": tokens / ceil(vocab / hidden size), rounded up to a multiple
+    of 8, so that a chunk's logits are about as large as the hidden states (Liger-Kernel's rule)."""
     cuda_graphs: bool = False
     """Experimental: replay the whole inductor-compiled step from one CUDA graph per traced batch key
     (graphfuse/compiler/cuda_graph.py), for steps bound by kernel launches (small models). Needs compile="inductor",
@@ -95,13 +106,9 @@ class Strategy:
                 f"Strategy.checkpoint_mode={self.checkpoint_mode!r}; choose one of {get_args(CheckpointMode)}"
             )
         if self.master_dtype not in MASTER_DTYPES:
-            raise UnsupportedError(
-                f"Strategy.master_dtype={self.master_dtype!r}; use None or torch.float32"
-            )
+            raise UnsupportedError(f"Strategy.master_dtype={self.master_dtype!r}; use None or torch.float32")
         if not isinstance(self.grad_accumulation, int) or self.grad_accumulation < 1:
-            raise UnsupportedError(
-                f"Strategy.grad_accumulation must be an int >= 1, got {self.grad_accumulation!r}"
-            )
+            raise UnsupportedError(f"Strategy.grad_accumulation must be an int >= 1, got {self.grad_accumulation!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise UnsupportedError(f"Strategy.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
         if self.compile not in get_args(CompileMode):
@@ -112,7 +119,8 @@ class Strategy:
 
         if self.stage_collectives_on_host not in (True, False, "auto"):
             raise UnsupportedError(
-                f"Strategy.stage_collectives_on_host must be True, False or 'auto', got {self.stage_collectives_on_host!r}"
+                f"Strategy.stage_collectives_on_host must be True, False or 'auto', got "
+                f"{self.stage_collectives_on_host!r}"
             )
         if self.overlap_param_gather not in (True, False, "auto"):
             raise UnsupportedError(
@@ -122,6 +130,11 @@ class Strategy:
             raise UnsupportedError(
                 f"Strategy.align_buckets_to_blocks must be True, False or 'auto', got {self.align_buckets_to_blocks!r}"
             )
+        if not isinstance(self.fuse_loss, bool):
+            raise UnsupportedError(f"Strategy.fuse_loss must be True or False, got {self.fuse_loss!r}")
+        c = self.loss_chunk_tokens
+        if c != "auto" and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+            raise UnsupportedError(f"Strategy.loss_chunk_tokens must be an int >= 1 or 'auto', got {c!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise UnsupportedError(f"Strategy.cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.cuda_graphs and self.compile != "inductor":

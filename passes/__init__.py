@@ -1,12 +1,11 @@
-"""graphfuse.passes: one rewrite per module, each `Program -> Program` with `applies`, `requires`
-and `ensures`, and the hand-offs it NEEDS and PROVIDES. `PIPELINE` reads top to bottom as what
+"""graphfuse.passes: one rewrite per module, each a `Pass` (`Program -> Program` with `applies`,
+`requires`, `ensures` and the hand-offs it NEEDS and PROVIDES). `PIPELINE` reads top to bottom as what
 happens to a captured step; `run_pipeline` runs it, checks every contract and records statistics."""
 
 from __future__ import annotations
 
 import logging
 import time
-from types import ModuleType
 
 from graphfuse.errors import GraphfuseError
 from graphfuse.ir.program import Handoffs, PassRun, Program
@@ -15,6 +14,7 @@ from . import (
     all_gather,
     clip_grad_norm,
     defer_gather,
+    fuse_loss,
     fuse_params,
     overlap,
     plan_buckets,
@@ -23,14 +23,15 @@ from . import (
     sharded_update,
     stage_on_host,
 )
-from ._contract import check_pipeline, expect_handoffs
-from .graph import count_targets, eliminate_dead_code, is_collective, issues_collective
+from ._contract import Pass, check_pipeline, expect_handoffs
+from .graph import PASS_META, count_targets, eliminate_dead_code, is_collective, issues_collective
 from .verify import VerifyError, verify
 
 # What modules outside graphfuse.passes may use (also the graph-editing helpers in
 # graphfuse.passes.graph, public and documented there); _contract is private.
 __all__ = [
     "PIPELINE",
+    "Pass",
     "VerifyError",
     "count_targets",
     "is_collective",
@@ -43,7 +44,8 @@ __all__ = [
 
 log = logging.getLogger("graphfuse.passes")
 
-PIPELINE: list[ModuleType] = [
+PIPELINE: list[Pass] = [
+    fuse_loss,  # (if fuse_loss) output projection + cross-entropy chunked over tokens
     plan_buckets,  # BucketLayout from shapes, dtypes and the backward's gradient order
     fuse_params,  # per-parameter inputs -> flat bucket inputs + views
     reduce_scatter,  # pack gradients, one reduce-scatter per bucket
@@ -57,7 +59,7 @@ PIPELINE: list[ModuleType] = [
 ]
 
 
-def pass_name(p: ModuleType) -> str:
+def pass_name(p: Pass) -> str:
     return p.NAME
 
 
@@ -65,7 +67,7 @@ def _collectives(program: Program) -> int:
     return sum(1 for n in program.graph.nodes if issues_collective(n))
 
 
-def run_pass(program: Program, p: ModuleType, check: bool = False, recompile: bool = True) -> Program:
+def run_pass(program: Program, p: Pass, check: bool = False, recompile: bool = True) -> Program:
     """Run pass `p` if it applies: its contracts before and after, its statistics recorded in
     `Program.passes` and logged at DEBUG; with `check`, `verify` the result. Without
     `recompile`, the graph module's code is stale until the caller recompiles it (the passes
@@ -86,8 +88,19 @@ def run_pass(program: Program, p: ModuleType, check: bool = False, recompile: bo
     expect_handoffs(out, p.NAME, p.PROVIDES, "which this pass provides")
     p.ensures(out)
     after = set(out.graph.nodes)
-    run = PassRun(p.NAME, len(after - before), len(before - after), _collectives(out) - collectives, time.perf_counter() - t0)
-    log.debug("%s: +%d -%d nodes, +%d collectives, %.3fs", run.name, run.nodes_added, run.nodes_removed, run.collectives_added, run.seconds)
+    for n in after - before:  # provenance, as torch.fx's GraphTransformObserver records it
+        n.meta[PASS_META] = p.NAME
+    run = PassRun(
+        p.NAME, len(after - before), len(before - after), _collectives(out) - collectives, time.perf_counter() - t0
+    )
+    log.debug(
+        "%s: +%d -%d nodes, +%d collectives, %.3fs",
+        run.name,
+        run.nodes_added,
+        run.nodes_removed,
+        run.collectives_added,
+        run.seconds,
+    )
     if recompile or log.isEnabledFor(logging.DEBUG - 1):
         out.graph_module.recompile()  # code generation: about a third of the pipeline's time
     if log.isEnabledFor(logging.DEBUG - 1):
@@ -98,7 +111,7 @@ def run_pass(program: Program, p: ModuleType, check: bool = False, recompile: bo
     return out
 
 
-def run_pipeline(program: Program, check: bool = False, pipeline: list[ModuleType] | None = None) -> Program:
+def run_pipeline(program: Program, check: bool = False, pipeline: list[Pass] | None = None) -> Program:
     """Run every pass of `pipeline` (default PIPELINE) that applies; with `check`, verify the
     program after each one. The hand-offs between passes are dropped at the end."""
     pipeline = PIPELINE if pipeline is None else pipeline

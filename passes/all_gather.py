@@ -6,7 +6,7 @@ from __future__ import annotations
 from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program
 
-from ._contract import expect
+from ._contract import always, expect
 from .graph import c10d, call, outputs, set_outputs
 
 NAME = "all_gather"
@@ -14,12 +14,16 @@ NEEDS = ("param_shards",)
 PROVIDES: tuple[str, ...] = ()
 
 
-def applies(program: Program) -> bool:
-    return True
+applies = always  # every program
 
 
 def requires(program: Program) -> None:
-    expect(program, NAME, not program.signature.output_names(sig.NEW_BUCKET), "no new-bucket output yet (the all-gather makes them)")
+    expect(
+        program,
+        NAME,
+        not program.signature.output_names(sig.NEW_BUCKET),
+        "no new-bucket output yet (the all-gather makes them)",
+    )
 
 
 def run(program: Program) -> Program:
@@ -29,7 +33,14 @@ def run(program: Program) -> Program:
         full = shard
         if layout.world_size > 1:
             with graph.inserting_before(shard.next):
-                issued = call(graph, c10d.all_gather_into_tensor.default, shard, layout.world_size, program.group_name, phase=sig.COMM)
+                issued = call(
+                    graph,
+                    c10d.all_gather_into_tensor.default,
+                    shard,
+                    layout.world_size,
+                    program.group_name,
+                    phase=sig.COMM,
+                )
                 full = call(graph, c10d.wait_tensor.default, issued, phase=sig.COMM)
         pairs.append((sig.OutputSpec(sig.NEW_BUCKET, bucket.name, bucket.name), full))
     return set_outputs(program, pairs)
@@ -39,6 +50,16 @@ def ensures(program: Program) -> None:
     layout = program.layout
     n = sum(1 for x in program.graph.nodes if x.target is c10d.all_gather_into_tensor.default)
     expected = len(layout.buckets) if layout.world_size > 1 else 0
-    expect(program, NAME, n == expected, f"{expected} all-gathers for {len(layout.buckets)} buckets at world size {layout.world_size}, found {n}")
+    expect(
+        program,
+        NAME,
+        n == expected,
+        f"{expected} all-gathers for {len(layout.buckets)} buckets at world size {layout.world_size}, found {n}",
+    )
     names = [b.name for b in layout.buckets]
-    expect(program, NAME, program.signature.output_names(sig.NEW_BUCKET) == names, f"one new-bucket output per bucket, {names}")
+    expect(
+        program,
+        NAME,
+        program.signature.output_names(sig.NEW_BUCKET) == names,
+        f"one new-bucket output per bucket, {names}",
+    )

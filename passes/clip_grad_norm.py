@@ -31,16 +31,37 @@ def run(program: Program) -> Program:
     max_norm = program.strategy.max_grad_norm
     shards = program.handoffs.grad_shards
     with graph.inserting_before(graph.output_node()):
-        total = call(graph, torch.ops.aten.square.default, call(graph, torch.ops.aten._to_copy.default, shards[0], dtype=torch.float32, phase=sig.OPTIMIZER), phase=sig.OPTIMIZER)
+        total = call(
+            graph,
+            torch.ops.aten.square.default,
+            call(graph, torch.ops.aten._to_copy.default, shards[0], dtype=torch.float32, phase=sig.OPTIMIZER),
+            phase=sig.OPTIMIZER,
+        )
         total = call(graph, torch.ops.aten.sum.default, total, phase=sig.OPTIMIZER)
         for s in shards[1:]:
-            sq = call(graph, torch.ops.aten.square.default, call(graph, torch.ops.aten._to_copy.default, s, dtype=torch.float32, phase=sig.OPTIMIZER), phase=sig.OPTIMIZER)
-            total = call(graph, torch.ops.aten.add.Tensor, total, call(graph, torch.ops.aten.sum.default, sq, phase=sig.OPTIMIZER), phase=sig.OPTIMIZER)
+            sq = call(
+                graph,
+                torch.ops.aten.square.default,
+                call(graph, torch.ops.aten._to_copy.default, s, dtype=torch.float32, phase=sig.OPTIMIZER),
+                phase=sig.OPTIMIZER,
+            )
+            total = call(
+                graph,
+                torch.ops.aten.add.Tensor,
+                total,
+                call(graph, torch.ops.aten.sum.default, sq, phase=sig.OPTIMIZER),
+                phase=sig.OPTIMIZER,
+            )
         if layout.world_size > 1:
             total = call(graph, c10d.all_reduce.default, total, "sum", program.group_name, phase=sig.COMM)
             total = call(graph, c10d.wait_tensor.default, total, phase=sig.COMM)
         norm = call(graph, torch.ops.aten.sqrt.default, total, phase=sig.OPTIMIZER)
-        coef = call(graph, torch.ops.aten.reciprocal.default, call(graph, torch.ops.aten.add.Tensor, norm, 1e-6, phase=sig.OPTIMIZER), phase=sig.OPTIMIZER)
+        coef = call(
+            graph,
+            torch.ops.aten.reciprocal.default,
+            call(graph, torch.ops.aten.add.Tensor, norm, 1e-6, phase=sig.OPTIMIZER),
+            phase=sig.OPTIMIZER,
+        )
         coef = call(graph, torch.ops.aten.mul.Tensor, coef, max_norm, phase=sig.OPTIMIZER)
         coef = call(graph, torch.ops.aten.clamp_max.default, coef, 1.0, phase=sig.OPTIMIZER)
         scaled = tuple(call(graph, torch.ops.aten.mul.Tensor, s, coef, phase=sig.OPTIMIZER) for s in shards)
@@ -52,7 +73,12 @@ def run(program: Program) -> Program:
 def ensures(program: Program) -> None:
     n = sum(1 for x in program.graph.nodes if x.target is c10d.all_reduce.default)
     expected = 1 if program.layout.world_size > 1 else 0
-    expect(program, NAME, n == expected, f"{expected} all-reduce for the global norm at world size {program.layout.world_size}, found {n}")
+    expect(
+        program,
+        NAME,
+        n == expected,
+        f"{expected} all-reduce for the global norm at world size {program.layout.world_size}, found {n}",
+    )
     scaled = all(s.target is torch.ops.aten.mul.Tensor for s in program.handoffs.grad_shards)
     expect(program, NAME, scaled, "every gradient shard handed on to be the scaled one")
     norms = program.signature.output_names(sig.GRAD_NORM)

@@ -20,20 +20,40 @@ PROVIDES: tuple[str, ...] = ()
 # Ops that only re-describe a tensor's memory: moving them next to their first reader costs
 # nothing and lets a bucket's gathered value be waited for where the forward first computes on it.
 VIEW_OPS = {
-    aten.slice.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-    aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.alias.default, aten.detach.default, aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.alias.default,
+    aten.detach.default,
+    aten.as_strided.default,
 }
 
 
 def applies(program: Program) -> bool:
     # An update-only program (gf.shard_optimizer) has no forward to defer into.
-    return program.strategy.overlap_param_gather is True and program.layout.world_size > 1 and not program.signature.names(sig.GRAD)
+    return (
+        program.strategy.overlap_param_gather is True
+        and program.layout.world_size > 1
+        and not program.signature.names(sig.GRAD)
+    )
 
 
 def requires(program: Program) -> None:
     names = [b.name for b in program.layout.buckets]
-    expect(program, NAME, program.signature.output_names(sig.NEW_BUCKET) == names, f"one new-bucket output per bucket, {names}", "run all_gather first")
+    expect(
+        program,
+        NAME,
+        program.signature.output_names(sig.NEW_BUCKET) == names,
+        f"one new-bucket output per bucket, {names}",
+        "run all_gather first",
+    )
     for spec, node in outputs(program):
         if spec.role == sig.NEW_BUCKET:
             ok = node.target is c10d.wait_tensor.default and node.args[0].target is c10d.all_gather_into_tensor.default
@@ -50,7 +70,11 @@ def run(program: Program) -> Program:
         gather = node.args[0]
         pairs.append((sig.OutputSpec(sig.NEW_BUCKET_SHARD, spec.name, spec.target), gather.args[0]))
     program = set_outputs(program, pairs)
-    for node in [n for n in graph.nodes if n.target is c10d.wait_tensor.default and n.args[0].target is c10d.all_gather_into_tensor.default]:
+    for node in [
+        n
+        for n in graph.nodes
+        if n.target is c10d.wait_tensor.default and n.args[0].target is c10d.all_gather_into_tensor.default
+    ]:
         gather = node.args[0]
         graph.erase_node(node)
         graph.erase_node(gather)
@@ -66,7 +90,9 @@ def run(program: Program) -> Program:
         with graph.inserting_after(anchor):
             shard = call(graph, aten.slice.Tensor, ph, 0, lo, hi, phase=sig.COMM)
         with graph.inserting_after(shard):
-            issued = call(graph, c10d.all_gather_into_tensor.default, shard, layout.world_size, program.group_name, phase=sig.COMM)
+            issued = call(
+                graph, c10d.all_gather_into_tensor.default, shard, layout.world_size, program.group_name, phase=sig.COMM
+            )
         with graph.inserting_after(issued):
             full = call(graph, c10d.wait_tensor.default, issued, phase=sig.COMM)
         for reader in readers:
@@ -104,12 +130,34 @@ def _sink_views(root: torch.fx.Node) -> None:
 def ensures(program: Program) -> None:
     layout = program.layout
     names = [b.name for b in layout.buckets]
-    expect(program, NAME, not program.signature.output_names(sig.NEW_BUCKET), "no whole-bucket output (the step ends with shards)")
-    expect(program, NAME, program.signature.output_names(sig.NEW_BUCKET_SHARD) == names, f"one new-bucket-shard output per bucket, {names}")
+    expect(
+        program,
+        NAME,
+        not program.signature.output_names(sig.NEW_BUCKET),
+        "no whole-bucket output (the step ends with shards)",
+    )
+    expect(
+        program,
+        NAME,
+        program.signature.output_names(sig.NEW_BUCKET_SHARD) == names,
+        f"one new-bucket-shard output per bucket, {names}",
+    )
     gathers = [n for n in program.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
-    expect(program, NAME, len(gathers) == len(names), f"{len(names)} all-gathers at the head of the step, found {len(gathers)}")
+    expect(
+        program,
+        NAME,
+        len(gathers) == len(names),
+        f"{len(names)} all-gathers at the head of the step, found {len(gathers)}",
+    )
     inputs = input_nodes(program)
     for bucket in layout.buckets:
         readers = list(inputs[sig.InputSpec(sig.BUCKET, bucket.name)].users)
-        ok = len(readers) == 1 and readers[0].target is aten.slice.Tensor and all(u in gathers for u in readers[0].users)
-        expect(program, NAME, ok, f"{bucket.name} read only as this rank's shard, by its all-gather (the rest of it is stale)")
+        ok = (
+            len(readers) == 1 and readers[0].target is aten.slice.Tensor and all(u in gathers for u in readers[0].users)
+        )
+        expect(
+            program,
+            NAME,
+            ok,
+            f"{bucket.name} read only as this rank's shard, by its all-gather (the rest of it is stale)",
+        )

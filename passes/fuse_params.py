@@ -6,7 +6,7 @@ from __future__ import annotations
 from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program, TensorMeta
 
-from ._contract import expect
+from ._contract import always, expect
 from .graph import add_input, aten, call, input_nodes, outputs, remove_input, set_outputs, sync_inputs
 
 NAME = "fuse_params"
@@ -14,8 +14,7 @@ NEEDS: tuple[str, ...] = ()
 PROVIDES: tuple[str, ...] = ()
 
 
-def applies(program: Program) -> bool:
-    return True
+applies = always  # every program
 
 
 def requires(program: Program) -> None:
@@ -33,7 +32,9 @@ def run(program: Program) -> Program:
     pairs = [(s, n) for s, n in pairs if s.role != sig.NEW_PARAM]
     params = input_nodes(program)
     for bucket in program.layout.buckets:
-        node = add_input(program, sig.InputSpec(sig.BUCKET, bucket.name), TensorMeta((bucket.size,), bucket.dtype, bucket.device))
+        node = add_input(
+            program, sig.InputSpec(sig.BUCKET, bucket.name), TensorMeta((bucket.size,), bucket.dtype, bucket.device)
+        )
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
         for slot in bucket.slots:
             old = params[sig.InputSpec(sig.PARAM, slot.fqn)]
@@ -61,4 +62,9 @@ def ensures(program: Program) -> None:
     expect(program, NAME, not program.signature.output_names(sig.NEW_PARAM), "no per-parameter output left")
     names = [b.name for b in program.layout.buckets]
     expect(program, NAME, program.signature.names(sig.BUCKET) == names, f"one bucket input per bucket, {names}")
-    expect(program, NAME, program.signature.output_names(sig.NEW_BUCKET) == names, f"one new-bucket output per bucket, {names}")
+    expect(
+        program,
+        NAME,
+        program.signature.output_names(sig.NEW_BUCKET) == names,
+        f"one new-bucket output per bucket, {names}",
+    )

@@ -16,6 +16,9 @@ from graphfuse.ir.program import Program, TensorMeta
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+# node.meta key: the NAME of the pass that created the node (run_pass stamps it; a captured node
+# has none), saved in program files and shown by `graphfuse inspect --code`.
+PASS_META = "graphfuse_pass"
 
 
 def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -48,7 +51,9 @@ def grad_nodes(program: Program) -> dict[str, torch.fx.Node]:
 def remove_input(program: Program, node: torch.fx.Node) -> None:
     """Drop an input that nothing uses any more, with its recorded metadata."""
     if node.users:
-        raise PassContractError(f"input {node.name} cannot be removed: it still has users {[u.name for u in node.users]}")
+        raise PassContractError(
+            f"input {node.name} cannot be removed: it still has users {[u.name for u in node.users]}"
+        )
     program.inputs_meta.pop(node.meta["gf_input"].name, None)
     program.graph.erase_node(node)
 

@@ -25,7 +25,13 @@ def applies(program: Program) -> bool:
 
 
 def requires(program: Program) -> None:
-    expect(program, NAME, program.layout is not None, "a bucket layout (the collectives are placed)", "run the collective passes first")
+    expect(
+        program,
+        NAME,
+        program.layout is not None,
+        "a bucket layout (the collectives are placed)",
+        "run the collective passes first",
+    )
     _expect_waited_collectives(program)
 
 
@@ -79,7 +85,12 @@ def ensures(program: Program) -> None:
     _expect_waited_collectives(program)
     k = bound(program)
     most = max(in_flight(program.graph), default=0)
-    expect(program, NAME, k is None or most <= k, f"at most max_inflight_collectives={k} collectives in flight, found {most}")
+    expect(
+        program,
+        NAME,
+        k is None or most <= k,
+        f"at most max_inflight_collectives={k} collectives in flight, found {most}",
+    )
 
 
 def _expect_waited_collectives(program: Program) -> None:
@@ -90,11 +101,21 @@ def _expect_waited_collectives(program: Program) -> None:
         if issues_collective(n):
             users = list(n.users)
             ok = len(users) == 1 and users[0].target is c10d.wait_tensor.default
-            expect(program, NAME, ok, f"collective {n.name} read only through one wait_tensor, found users {[u.name for u in users]}")
+            expect(
+                program,
+                NAME,
+                ok,
+                f"collective {n.name} read only through one wait_tensor, found users {[u.name for u in users]}",
+            )
             wait = users[0]
             first_use = min((order[u] for u in wait.users), default=len(order))
             ok = order[n] < order[wait] < first_use
-            expect(program, NAME, ok, f"the wait {wait.name} after its collective {n.name} and before the first use of its result")
+            expect(
+                program,
+                NAME,
+                ok,
+                f"the wait {wait.name} after its collective {n.name} and before the first use of its result",
+            )
         elif n.target is c10d.wait_tensor.default:
             issued = n.args[0]
             ok = isinstance(issued, type(n)) and issues_collective(issued)

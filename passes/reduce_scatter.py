@@ -7,7 +7,7 @@ from __future__ import annotations
 from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program
 
-from ._contract import expect
+from ._contract import always, expect
 from .graph import aten, c10d, call, grad_nodes, hoist, position
 
 NAME = "reduce_scatter"
@@ -15,8 +15,7 @@ NEEDS: tuple[str, ...] = ()
 PROVIDES = ("grad_shards",)
 
 
-def applies(program: Program) -> bool:
-    return True
+applies = always  # every program
 
 
 def requires(program: Program) -> None:
@@ -58,7 +57,9 @@ def run(program: Program) -> Program:
             packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, pieces, phase=sig.COMM)
             shard = packed
             if world > 1:
-                issued = call(graph, c10d.reduce_scatter_tensor.default, packed, "avg", world, program.group_name, phase=sig.COMM)
+                issued = call(
+                    graph, c10d.reduce_scatter_tensor.default, packed, "avg", world, program.group_name, phase=sig.COMM
+                )
                 shard = call(graph, c10d.wait_tensor.default, issued, phase=sig.COMM)
         shards.append(shard)
     return program.handing_off(grad_shards=tuple(shards))
@@ -68,8 +69,16 @@ def ensures(program: Program) -> None:
     layout = program.layout
     scatters = [x for x in program.graph.nodes if x.target is c10d.reduce_scatter_tensor.default]
     expected = len(layout.buckets) if layout.world_size > 1 else 0
-    found = f"{expected} reduce-scatters for {len(layout.buckets)} buckets at world size {layout.world_size}, found {len(scatters)}"
+    found = (
+        f"{expected} reduce-scatters for {len(layout.buckets)} buckets at world size {layout.world_size}, "
+        f"found {len(scatters)}"
+    )
     expect(program, NAME, len(scatters) == expected, found)
     if layout.world_size > 1:
         waited = [s.args[0] for s in program.handoffs.grad_shards if s.target is c10d.wait_tensor.default]
-        expect(program, NAME, sorted(map(str, waited)) == sorted(map(str, scatters)), "each bucket's gradient shard to be the wait on its own reduce-scatter")
+        expect(
+            program,
+            NAME,
+            sorted(map(str, waited)) == sorted(map(str, scatters)),
+            "each bucket's gradient shard to be the wait on its own reduce-scatter",
+        )

@@ -9,23 +9,41 @@ from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program
 from graphfuse.ir.state_plan import MASTER, Piece, StatePlan
 
-from ._contract import expect
+from ._contract import always, expect
 
 # Piece and StatePlan stay importable from here: program files of format 1 name this module.
-__all__ = ["MASTER", "NAME", "Piece", "StatePlan", "applies", "derive_plan", "ensures", "flat_boxes", "requires", "run"]
+__all__ = [
+    "MASTER",
+    "NAME",
+    "NEEDS",
+    "PROVIDES",
+    "Piece",
+    "StatePlan",
+    "applies",
+    "derive_plan",
+    "ensures",
+    "flat_boxes",
+    "requires",
+    "run",
+]
 
 NAME = "serializer"
 NEEDS: tuple[str, ...] = ()
 PROVIDES: tuple[str, ...] = ()
 
 
-def applies(program: Program) -> bool:
-    return True
+applies = always  # every program
 
 
 def requires(program: Program) -> None:
     expect(program, NAME, program.layout is not None, "a bucket layout", "run plan_buckets first")
-    expect(program, NAME, not program.signature.names(sig.STATE), "no per-parameter optimizer state", "run sharded_update first")
+    expect(
+        program,
+        NAME,
+        not program.signature.names(sig.STATE),
+        "no per-parameter optimizer state",
+        "run sharded_update first",
+    )
 
 
 def run(program: Program) -> Program:
@@ -40,6 +58,11 @@ def ensures(program: Program) -> None:
             n = 1
             for d in p.sizes:
                 n *= d
-            expect(program, NAME, n == p.stop - p.start, f"piece {p.key} at {p.offsets}: sizes {p.sizes} holding its {p.stop - p.start} elements")
+            expect(
+                program,
+                NAME,
+                n == p.stop - p.start,
+                f"piece {p.key} at {p.offsets}: sizes {p.sizes} holding its {p.stop - p.start} elements",
+            )
     keys = [p.key for p in plan.saved("unbalanced") if p.path[0] != "model"]
     expect(program, NAME, len(keys) == len(set(keys)), "unique unbalanced checkpoint keys")

@@ -14,6 +14,7 @@ from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program, TensorMeta
 
 from . import reduce_scatter
+from ._contract import always
 from .graph import add_input, input_nodes, remove_input, sync_inputs
 
 SHARD_SUFFIX = ".grad_shard"  # "bucket<b>.grad_shard": a bucket's averaged gradient shard, as an input
@@ -21,16 +22,16 @@ SHARD_SUFFIX = ".grad_shard"  # "bucket<b>.grad_shard": a bucket's averaged grad
 
 @dataclass(frozen=True)
 class ShardInputs:
-    """reduce_scatter, except that the buckets `buckets` take their averaged gradient shard as an
-    input ("bucket<b>.grad_shard", made by a compiled backward) instead of packing gradients."""
+    """A `Pass` (passes/_contract.py): reduce_scatter, except that the buckets `buckets` take their
+    averaged gradient shard as an input ("bucket<b>.grad_shard", made by a compiled backward)
+    instead of packing gradients."""
 
     buckets: frozenset[int]
     NAME: str = field(default="reduce_scatter", init=False)  # the same place in the pipeline; contracts name it so
     NEEDS = reduce_scatter.NEEDS
     PROVIDES = reduce_scatter.PROVIDES
 
-    def applies(self, program: Program) -> bool:
-        return True
+    applies = staticmethod(always)  # every program
 
     def requires(self, program: Program) -> None:
         reduce_scatter.requires(program)
@@ -53,7 +54,9 @@ class ShardInputs:
 
     def ensures(self, program: Program) -> None:
         names = {s.name for s in program.signature.inputs}
-        missing = [b.name for b in program.layout.buckets if b.index in self.buckets and b.name + SHARD_SUFFIX not in names]
+        missing = [
+            b.name for b in program.layout.buckets if b.index in self.buckets and b.name + SHARD_SUFFIX not in names
+        ]
         if missing:
             raise PassContractError(f"pass {self.NAME} (shard inputs): no gradient shard input for {missing}")
 

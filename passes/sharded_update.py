@@ -1,6 +1,7 @@
 """Sharded update: replace the per-parameter optimizer update with ONE fused elementwise
 update per bucket shard, over flat state shards (and fp32 master shards where the strategy
 asks). Each parameter's part of a shard is its `slice@<fqn>` view (see BucketLayout.slices).
+A group whose update reads each parameter whole (Muon) runs it once per parameter the rank owns.
 Reads the `grad_shards` hand-off; hands on `param_shards` (the updated shard in the bucket's
 dtype) for the all-gather."""
 
@@ -8,12 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from graphfuse.capture.tracing import dtype_name, update_function
+from graphfuse import optim as gopt
+from graphfuse.capture.tracing import dtype_name, reads_whole, update_function
+from graphfuse.errors import GraphfuseError
 from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program, TensorMeta
 from graphfuse.ir.state_plan import MASTER
 
-from ._contract import expect
+from ._contract import always, expect
 from .graph import (
     add_input,
     aten,
@@ -33,8 +36,7 @@ NEEDS = ("grad_shards",)
 PROVIDES = ("param_shards",)
 
 
-def applies(program: Program) -> bool:
-    return True
+applies = always  # every program
 
 
 def requires(program: Program) -> None:
@@ -50,10 +52,64 @@ def uses_master(program: Program, bucket) -> bool:
     return shard_dtype(program, bucket) != bucket.dtype
 
 
+def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool = False):
+    """The update of rank `rank`'s shard of a bucket laid out whole (graphfuse.ir.ownership):
+    `gopt.update` of each parameter the rank owns, on its whole-matrix views of the shard, with
+    the padding passed through; `fn(param, grad, *states, *scalars) -> [new param, *new states]`.
+    `batched`: same-shape parameters are updated together, stacked (Muon's Newton-Schulz as
+    batched products, for CUDA; not bitwise with one at a time)."""
+    slices = bucket.slices(rank)
+    for s in slices:
+        slot = bucket.slot(s.fqn)
+        if s.param_start != 0 or s.numel != slot.numel:
+            raise GraphfuseError(
+                f"{bucket.name}: rank {rank}'s shard holds elements [{s.param_start}, {s.param_start + s.numel}) of "
+                f"{s.fqn} (of {slot.numel}), but its {spec.kind} update reads the parameter whole; plan the layout "
+                "with graphfuse.ir.layout.plan_buckets(whole=...)"
+            )
+    together: dict = {}
+    for s in slices:
+        together.setdefault(bucket.slot(s.fqn).shape if batched else s.fqn, []).append(s)
+    k = len(spec.state_names)
+
+    def fn(p, g, *rest):
+        states, scalars = rest[:k], dict(zip(spec.scalar_names, rest[k:]))
+        done = {}
+        for members in together.values():
+            shape = bucket.slot(members[0].fqn).shape
+
+            def views(t, members=members, shape=shape):
+                vs = [t[slice(*s.shard_range)].view(shape) for s in members]
+                return vs[0] if len(vs) == 1 else torch.stack(vs)
+
+            new_p, new = gopt.update(
+                spec, views(p), views(g), {n: views(t) for n, t in zip(spec.state_names, states)}, scalars
+            )
+            outs = [new_p, *(new[n] for n in spec.state_names)]
+            for i, s in enumerate(members):
+                done[s.fqn] = [(o if len(members) == 1 else o[i]).reshape(-1) for o in outs]
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(1 + k)]
+        at = 0
+        for a, b, fqn in [
+            *((s.shard_start, s.shard_end, s.fqn) for s in slices),
+            (bucket.shard_size, bucket.shard_size, None),
+        ]:
+            if at < a:  # padding (or another rank's run): passed through
+                for out, t in zip(pieces, (p, *states)):
+                    out.append(t[at:a])
+            for out, t in zip(pieces, done.get(fqn, ())):
+                out.append(t)
+            at = b
+        return [torch.cat(out) for out in pieces]
+
+    return fn
+
+
 def run(program: Program) -> Program:
     graph, layout = program.graph, program.layout
     rank = program.rank
-    # The traced update's outputs (per-parameter states, whole new buckets) go; once the fused update reads the gradient shards,
+    # The traced update's outputs (per-parameter states, whole new buckets) go; once the fused update reads the
+    # gradient shards,
     # dead-code elimination removes the ops only the old outputs needed.
     new_outputs = [(s, n) for s, n in outputs(program) if s.role not in (sig.NEW_BUCKET, sig.NEW_STATE)]
     out_node = graph.output_node()
@@ -63,7 +119,9 @@ def run(program: Program) -> Program:
         spec = program.optim.groups[bucket.group]
         dtype = shard_dtype(program, bucket)
         meta = TensorMeta((bucket.shard_size,), dtype, bucket.device)
-        state_nodes = [add_input(program, sig.InputSpec(sig.SHARD, f"{bucket.name}.{s}"), meta) for s in spec.state_names]
+        state_nodes = [
+            add_input(program, sig.InputSpec(sig.SHARD, f"{bucket.name}.{s}"), meta) for s in spec.state_names
+        ]
         master = uses_master(program, bucket)
         if master:
             master_node = add_input(program, sig.InputSpec(sig.SHARD, f"{bucket.name}.{MASTER}"), meta)
@@ -72,12 +130,26 @@ def run(program: Program) -> Program:
         bucket_node = inputs[sig.InputSpec(sig.BUCKET, bucket.name)]
         lo, hi = bucket.shard_range(rank)
         with graph.inserting_before(out_node):
-            param = master_node if master else call(graph, aten.slice.Tensor, bucket_node, 0, lo, hi, phase=sig.OPTIMIZER)
-            new = inline(graph, update_function(spec), [param, grad, *state_nodes, *scalar_nodes], [meta, meta, *([meta] * len(state_nodes)), *scalar_metas], sig.OPTIMIZER)
+            param = (
+                master_node if master else call(graph, aten.slice.Tensor, bucket_node, 0, lo, hi, phase=sig.OPTIMIZER)
+            )
+            batched = bucket.device == "cuda" and spec.kind in gopt.BATCHED  # same-shape matrices together
+            fn = whole_update_function(spec, bucket, rank, batched) if reads_whole(spec) else update_function(spec)
+            new = inline(
+                graph,
+                fn,
+                [param, grad, *state_nodes, *scalar_nodes],
+                [meta, meta, *([meta] * len(state_nodes)), *scalar_metas],
+                sig.OPTIMIZER,
+            )
             new_param, new_states = new[0], new[1:]
             if master:
-                new_outputs.append((sig.OutputSpec(sig.NEW_SHARD, f"{bucket.name}.{MASTER}", f"{bucket.name}.{MASTER}"), new_param))
-                new_param = call(graph, aten._to_copy.default, new_param, dtype=getattr(torch, bucket.dtype), phase=sig.OPTIMIZER)
+                new_outputs.append(
+                    (sig.OutputSpec(sig.NEW_SHARD, f"{bucket.name}.{MASTER}", f"{bucket.name}.{MASTER}"), new_param)
+                )
+                new_param = call(
+                    graph, aten._to_copy.default, new_param, dtype=getattr(torch, bucket.dtype), phase=sig.OPTIMIZER
+                )
         for s, n in zip(spec.state_names, new_states):
             new_outputs.append((sig.OutputSpec(sig.NEW_SHARD, f"{bucket.name}.{s}", f"{bucket.name}.{s}"), n))
         param_shards.append(new_param)
@@ -90,9 +162,21 @@ def run(program: Program) -> Program:
 
 def ensures(program: Program) -> None:
     expect(program, NAME, not program.signature.names(sig.STATE), "no per-parameter optimizer state input left")
-    expect(program, NAME, not program.signature.output_names(sig.NEW_BUCKET), "no whole-bucket output left (the all-gather makes them)")
-    expected = sorted(f"{b.name}.{s}" for b in program.layout.buckets for s in program.optim.groups[b.group].state_names)
+    expect(
+        program,
+        NAME,
+        not program.signature.output_names(sig.NEW_BUCKET),
+        "no whole-bucket output left (the all-gather makes them)",
+    )
+    expected = sorted(
+        f"{b.name}.{s}" for b in program.layout.buckets for s in program.optim.groups[b.group].state_names
+    )
     states = sorted(n for n in program.signature.names(sig.SHARD) if not n.endswith(f".{MASTER}"))
     expect(program, NAME, states == expected, f"one state shard input per bucket and state, {expected}")
     shards = sorted(program.signature.names(sig.SHARD))
-    expect(program, NAME, sorted(program.signature.output_names(sig.NEW_SHARD)) == shards, "a new-shard output for every shard input")
+    expect(
+        program,
+        NAME,
+        sorted(program.signature.output_names(sig.NEW_SHARD)) == shards,
+        "a new-shard output for every shard input",
+    )

@@ -24,7 +24,9 @@ def applies(program: Program) -> bool:
 
 
 def requires(program: Program) -> None:
-    expect(program, NAME, any(issues_collective(n) for n in program.graph.nodes), "collectives to stage (world size > 1)")
+    expect(
+        program, NAME, any(issues_collective(n) for n in program.graph.nodes), "collectives to stage (world size > 1)"
+    )
     for n in _collectives(program):
         expect(program, NAME, _wait_of(n) is not None, f"{n.name} waited for by exactly one wait_tensor")
 
@@ -48,11 +50,19 @@ def run(program: Program) -> Program:
 def ensures(program: Program) -> None:
     for node in _collectives(program):
         src = node.args[0]
-        expect(program, NAME, src.target is aten._to_copy.default and src.kwargs.get("device") == HOST,
-               f"{node.name} reads a host copy of its input")
+        expect(
+            program,
+            NAME,
+            src.target is aten._to_copy.default and src.kwargs.get("device") == HOST,
+            f"{node.name} reads a host copy of its input",
+        )
         wait = _wait_of(node)
-        expect(program, NAME, all(u.target is aten._to_copy.default for u in wait.users),
-               f"the result of {node.name} is used only through a copy back to the device")
+        expect(
+            program,
+            NAME,
+            all(u.target is aten._to_copy.default for u in wait.users),
+            f"the result of {node.name} is used only through a copy back to the device",
+        )
 
 
 def _collectives(program: Program) -> list[torch.fx.Node]:

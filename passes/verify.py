@@ -21,7 +21,9 @@ def fake_inputs(program: Program, mode: FakeTensorMode) -> list[torch.Tensor]:
     with mode:
         for spec in program.signature.inputs:
             m = program.inputs_meta[spec.name]
-            out.append(torch.empty(m.shape, dtype=getattr(torch, m.dtype), device="meta" if m.device == "meta" else m.device))
+            out.append(
+                torch.empty(m.shape, dtype=getattr(torch, m.dtype), device="meta" if m.device == "meta" else m.device)
+            )
     return out
 
 
@@ -89,5 +91,6 @@ def check_values(program: Program, values: dict[torch.fx.Node, object]) -> None:
             m = m.__class__((bucket.shard_size,), m.dtype, m.device)
         if tuple(val.shape) != m.shape or str(val.dtype).removeprefix("torch.") != m.dtype:
             raise VerifyError(
-                f"output {spec.name} is {tuple(val.shape)} {val.dtype}, but its target {spec.target} is {m.shape} {m.dtype}"
+                f"output {spec.name} is {tuple(val.shape)} {val.dtype}, but its target {spec.target} is "
+                f"{m.shape} {m.dtype}"
             )

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 
 import torch
-from rich.console import Console
+from _bench import machine_facts, print_report  # tools/_bench.py: what the benches share
 from rich.table import Table
 
 import graphfuse as gf
@@ -27,7 +25,9 @@ def setup(n_layer: int) -> tuple[GPT, torch.optim.Optimizer, tuple]:
     model = GPT(cfg)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-4)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-4
+    )
     return model, optimizer, synthetic_tokens(cfg, 2, 1, seed=0)[0]
 
 
@@ -48,9 +48,17 @@ def llama_1b() -> dict:
     meta device and capture traces with fake tensors, so no parameter memory is allocated."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
-                      use_cache=False, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -73,18 +81,6 @@ def llama_1b() -> dict:
     }
 
 
-def describe_machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48])
@@ -92,10 +88,10 @@ def main() -> None:
     ap.add_argument("--llama-1b", action="store_true", help="only the 1.1B Llama-shaped row (meta device)")
     args = ap.parse_args()
     if args.llama_1b:
-        print(json.dumps({"bench": "capture", "machine": describe_machine(), "row": llama_1b()}))
+        print(json.dumps({"bench": "capture", "machine": machine_facts(), "row": llama_1b()}))
         return
 
-    machine = describe_machine()
+    machine = machine_facts()
     rows = []
     for n_layer in args.layers:
         model, optimizer, batch = setup(n_layer)
@@ -124,9 +120,14 @@ def main() -> None:
     base = rows[0]
     for r in rows:
         r["per_node_vs_first"] = round(r["capture_us_per_node"] / base["capture_us_per_node"], 3)
-        r["cpu_per_node_vs_first"] = round((r["capture_cpu_s"] / r["nodes"]) / (base["capture_cpu_s"] / base["nodes"]), 3)
+        r["cpu_per_node_vs_first"] = round(
+            (r["capture_cpu_s"] / r["nodes"]) / (base["capture_cpu_s"] / base["nodes"]), 3
+        )
 
-    table = Table(title=f"gf.capture / gf.compile of a GPT step (n_embd=256, AdamW), {machine['cpu_count']} CPUs, torch {machine['torch']}")
+    table = Table(
+        title=f"gf.capture / gf.compile of a GPT step (n_embd=256, AdamW), {machine['cpus']} CPUs, torch "
+        f"{machine['torch']}"
+    )
     columns = [
         ("layers", "n_layer"),
         ("params", "params"),
@@ -144,10 +145,11 @@ def main() -> None:
         table.add_column(title, justify="right")
     for r in rows:
         table.add_row(*(f"{r[k]:,}" if isinstance(r[k], int) else str(r[k]) for _, k in columns))
-    console = Console(width=160)
-    console.print(table)
-    console.print(f"machine: {machine['platform']}, {machine['processor']}, python {machine['python']}")
-    print(json.dumps({"bench": "capture", "machine": machine, "rows": rows}))
+    print_report(
+        [table, f"machine: {machine['platform']}, {machine['cpu']}, python {machine['python']}"],
+        {"bench": "capture", "machine": machine, "rows": rows},
+        width=160,
+    )
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ Spawns Gloo ranks (CPU); prints a rich table and one JSON line; states the machi
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import threading
 import time
@@ -21,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from _bench import machine as bench_machine  # tools/_bench.py: what the benches share
+from _bench import print_report
 
 from graphfuse.testing.launch import run_ranks
 
@@ -146,7 +146,7 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
 
     params = args.layers * (args.width * args.width + args.width)
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.world_size} Gloo ranks on one host"
+    machine = f"{bench_machine('cpu')}, {args.world_size} Gloo ranks on one host"
     rows = {}
     for name in results[0]:
         if name.endswith("error"):
@@ -154,7 +154,6 @@ def main() -> None:
         seconds = max(results[r][name][0] for r in results)  # the slowest rank finishes the operation
         peak = max(results[r][name][1] for r in results)
         rows[name] = (seconds, peak)
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"checkpoint of {params * 4 / 2**20:.0f} MiB of fp32 weights + AdamW state ({machine})")
@@ -176,10 +175,8 @@ def main() -> None:
     for r in results:
         if "DCP FSDP2 error" in results[r]:
             summary["fsdp2_error"] = results[r]["DCP FSDP2 error"]
-    Console().print(table)
-    if "fsdp2_error" in summary:
-        print(f"DCP on FSDP2 not measured: {summary['fsdp2_error']}")
-    print(json.dumps(summary))
+    notes = [f"DCP on FSDP2 not measured: {summary['fsdp2_error']}"] if "fsdp2_error" in summary else []
+    print_report([table, *notes], summary)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from _bench import machine as bench_machine  # tools/_bench.py: what the benches share
+from _bench import sync
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -101,8 +102,7 @@ def _step(method: str, model, opt, batch) -> None:
 
 
 def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     dist.barrier()
 
 
@@ -111,7 +111,10 @@ def _run(rank: int, world: int, args: dict) -> dict:
     if device == "cuda":
         torch.cuda.set_device(rank)
     cfg = MODELS[args["model"]]
-    data = [tuple(t.to(device) for t in b) for b in synthetic_tokens(cfg, args["batch"], args["warmup"] + args["steps"] + 1, seed=rank)]
+    data = [
+        tuple(t.to(device) for t in b)
+        for b in synthetic_tokens(cfg, args["batch"], args["warmup"] + args["steps"] + 1, seed=rank)
+    ]
     out = {}
     for method in args["methods"]:
         torch._dynamo.reset()
@@ -167,16 +170,21 @@ def main(argv: list[str] | None = None) -> int:
     backend = "nccl" if a.device == "cuda" else "gloo"
     results = run_ranks(_run, a.world_size, args, backend=backend, timeout=3600)
     rows = _report(results, args)
-    machine = f"{platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}"
-    if a.device == "cuda":
-        machine += f", {torch.cuda.get_device_name(0)}"
-    print(f"{'method':14} {'step ms':>9}  {'collective':24} {'per step':>8}  issued at (fraction of the window; > 1: after it)")
+    machine = bench_machine(a.device)
+    print(
+        f"{'method':14} {'step ms':>9}  {'collective':24} {'per step':>8}  issued at (fraction of the window; > "
+        f"1: after it)"
+    )
     for method, r in rows.items():
         for i, (kind, at) in enumerate(r["positions"].items() or [("none", [])]):
             head = f"{method:14} {r['step_ms']:>9}" if i == 0 else " " * 24
             print(f"{head}  {kind:24} {len(at):>8}  {r['window']}: {', '.join(f'{x:.2f}' for x in at)}")
     print(f"machine: {machine}; world size {a.world_size}, model {a.model}, bucket {a.bucket_mb} MB")
-    print(json.dumps({"tool": "bench_compile_path", "machine": machine, "world_size": a.world_size, **args, "results": rows}))
+    print(
+        json.dumps(
+            {"tool": "bench_compile_path", "machine": machine, "world_size": a.world_size, **args, "results": rows}
+        )
+    )
     return 0
 
 

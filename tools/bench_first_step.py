@@ -8,7 +8,8 @@ the fastest; this reports how many kernels were timed and for how long (the time
 constants such as a parameter's offset in its bucket are set aside, then the step time over
 `--steps` steps and the peak memory. CUDA only.
 
-    python tools/bench_first_step.py --layers 12 --embd 768 --heads 12 --block 1024 --vocab 50304 --batch 8 --precision amp
+    python tools/bench_first_step.py --layers 12 --embd 768 --heads 12 --block 1024 --vocab 50304 --batch 8
+    --precision amp
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ def timed_autotuning() -> list[dict]:
     def recorded(self, *args, **kwargs):
         t = time.perf_counter()
         timings = timed(self, *args, **kwargs)
-        records.append({"kernel": self.fn.__name__, "configs": len(timings), "s": time.perf_counter() - t,
-                        "shape": _source_shape(getattr(self, "filename", None), self.fn.__name__)})
+        records.append(
+            {
+                "kernel": self.fn.__name__,
+                "configs": len(timings),
+                "s": time.perf_counter() - t,
+                "shape": _source_shape(getattr(self, "filename", None), self.fn.__name__),
+            }
+        )
         return timings
 
     CachingAutotuner.benchmark_all_configs = recorded
@@ -65,10 +72,10 @@ def _source_shape(path: str | None, name: str) -> str | None:
 def one(args) -> dict:
     """One variant in this process: compile, first step, then `args.steps` timed steps."""
     import graphfuse as gf
-    import graphfuse.compiler.inductor as inductor
+    from graphfuse.compiler import use_inductor_defaults
 
     if args.variant == "graphfuse_autotuned":
-        inductor.FIRST_STEP = {}
+        use_inductor_defaults("FIRST_STEP")
     records = timed_autotuning()
     model, opt, batch = setup(args)
     device = torch.device("cuda")
@@ -89,12 +96,17 @@ def one(args) -> dict:
         step(batch)
     end.record()
     torch.cuda.synchronize()
-    return {"variant": args.variant, "to_first_step_s": round(first, 2), "autotune_s": round(sum(r["s"] for r in records), 2),
-            "kernels_timed": len(records), "configs_timed": sum(r["configs"] for r in records),
-            "distinct_apart_from_numbers": len({r["shape"] for r in records}),
-            "ms_per_step": round(begin.elapsed_time(end) / args.steps, 2),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "slowest": sorted(((round(r["s"], 3), r["configs"], r["kernel"]) for r in records), reverse=True)[:5]}
+    return {
+        "variant": args.variant,
+        "to_first_step_s": round(first, 2),
+        "autotune_s": round(sum(r["s"] for r in records), 2),
+        "kernels_timed": len(records),
+        "configs_timed": sum(r["configs"] for r in records),
+        "distinct_apart_from_numbers": len({r["shape"] for r in records}),
+        "ms_per_step": round(begin.elapsed_time(end) / args.steps, 2),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "slowest": sorted(((round(r["s"], 3), r["configs"], r["kernel"]) for r in records), reverse=True)[:5],
+    }
 
 
 def main() -> None:
@@ -102,7 +114,9 @@ def main() -> None:
     add_model_flags(ap)
     ap.add_argument("--precision", choices=["fp32", "amp", "bf16master"], default="fp32", help="as tools/bench_step.py")
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="Strategy.bucket_size_mb")
-    ap.add_argument("--compile-workers", type=workers_arg, default="auto", help="Strategy.compile_workers (an int, or 'auto')")
+    ap.add_argument(
+        "--compile-workers", type=workers_arg, default="auto", help="Strategy.compile_workers (an int, or 'auto')"
+    )
     ap.add_argument("--steps", type=int, default=20, help="timed steps after the first")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps between the first and the timed ones")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="run in this order")
@@ -117,15 +131,21 @@ def main() -> None:
     rows = []
     for variant in args.variants:  # each in a fresh process with an empty cache: a cold start's autotuning
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="graphfuse-first-step-")}
-        done = subprocess.run([sys.executable, __file__, *sys.argv[1:], f"--variant={variant}"], env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], f"--variant={variant}"], env=env, capture_output=True, text=True
+        )
         if done.returncode:
             print(f"{variant:20} FAILED; its last output:\n{done.stderr[-3000:]}", flush=True)
             continue
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = rows[-1]
-        print(f"{variant:20} to first step {r['to_first_step_s']:6.2f} s, autotuning {r['autotune_s']:5.2f} s "
-              f"({r['kernels_timed']} kernels, {r['configs_timed']} configs, {r['distinct_apart_from_numbers']} distinct apart "
-              f"from numbers), {r['ms_per_step']:6.2f} ms/step, peak {r['peak_gib']:.2f} GiB", flush=True)
+        print(
+            f"{variant:20} to first step {r['to_first_step_s']:6.2f} s, autotuning {r['autotune_s']:5.2f} s "
+            f"({r['kernels_timed']} kernels, {r['configs_timed']} configs, {r['distinct_apart_from_numbers']} "
+            f"distinct apart "
+            f"from numbers), {r['ms_per_step']:6.2f} ms/step, peak {r['peak_gib']:.2f} GiB",
+            flush=True,
+        )
     print(json.dumps({"bench": "first_step", "torch": torch.__version__, "config": vars(args), "rows": rows}))
 
 

@@ -40,13 +40,16 @@ import tempfile
 import time
 
 import torch
+from _bench import sync  # tools/_bench.py: what the benches share
 
 
 def setup(args):
     from graphfuse.testing.models import GPT, GPTConfig, synthetic_tokens
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd
+    )
     torch.manual_seed(0)
     model = GPT(cfg).to(args.device, torch.bfloat16 if args.precision == "bf16master" else torch.float32)
     kw = {"fused": True} if args.device == "cuda" else {"foreach": False}
@@ -65,11 +68,6 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     for flag, default in (("layers", 2), ("embd", 64), ("heads", 4), ("block", 32), ("vocab", 256), ("batch", 2)):
         ap.add_argument(f"--{flag}", type=int, default=default)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def profiled(args) -> dict:
@@ -110,15 +108,26 @@ def run(args) -> dict:
         dm = gf.DistModel.from_program(gf.load_program(args.program), model, opt)
     dm(batch)
     sync(args.device)
-    return {"start": args.start, "total_s": time.perf_counter() - t, "phases_s": dict(dm.startup), "inductor_s": inductor_times()}
+    return {
+        "start": args.start,
+        "total_s": time.perf_counter() - t,
+        "phases_s": dict(dm.startup),
+        "inductor_s": inductor_times(),
+    }
 
 
 def strategy(args):
     import graphfuse as gf
 
-    align = {} if args.align_blocks is None else {"align_buckets_to_blocks": {"true": True, "false": False}.get(args.align_blocks, "auto")}
+    align = (
+        {}
+        if args.align_blocks is None
+        else {"align_buckets_to_blocks": {"true": True, "false": False}.get(args.align_blocks, "auto")}
+    )
     master = {"master_dtype": torch.float32} if args.precision == "bf16master" else {}
-    return gf.Strategy(compile="inductor", bucket_size_mb=args.bucket_mb, compile_workers=args.compile_workers, **align, **master)
+    return gf.Strategy(
+        compile="inductor", bucket_size_mb=args.bucket_mb, compile_workers=args.compile_workers, **align, **master
+    )
 
 
 def inductor_times() -> dict[str, float]:
@@ -149,12 +158,18 @@ def bytecode_note() -> str | None:
     process; measured on the GPU machine, docs/benchmarks.md)."""
     from pathlib import Path
 
-    if not sys.flags.dont_write_bytecode or sys.pycache_prefix or (Path(torch.__file__).parent / "__pycache__").is_dir():
+    if (
+        not sys.flags.dont_write_bytecode
+        or sys.pycache_prefix
+        or (Path(torch.__file__).parent / "__pycache__").is_dir()
+    ):
         return None
-    return ("note: Python writes no bytecode here (PYTHONDONTWRITEBYTECODE) and torch is installed without it, so every "
-            "process compiles torch's sources again: compile workers start seconds later than on a normal install, and "
-            "modules imported during a start are compiled in it. For numbers like a normal install's, run again "
-            "with --pycache /tmp/pyc")
+    return (
+        "note: Python writes no bytecode here (PYTHONDONTWRITEBYTECODE) and torch is installed without it, so every "
+        "process compiles torch's sources again: compile workers start seconds later than on a normal install, and "
+        "modules imported during a start are compiled in it. For numbers like a normal install's, run again "
+        "with --pycache /tmp/pyc"
+    )
 
 
 def with_bytecode(where: str) -> dict:
@@ -171,13 +186,15 @@ def with_bytecode(where: str) -> dict:
         roots.append(os.path.dirname(spec.origin))
     t = time.perf_counter()
     print(f"writing bytecode into {env['PYTHONPYCACHEPREFIX']} for {', '.join(roots)} ...", flush=True)
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *roots], env=env, check=False, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "-j", "0", *roots], env=env, check=False, stdout=subprocess.DEVNULL
+    )
     print(f"bytecode written in {time.perf_counter() - t:.1f} s", flush=True)
     return env
 
 
 def print_row(r: dict) -> None:
-    from graphfuse.compiler.inductor import PHASES  # torch's compile phases that do not contain one another
+    from graphfuse.compiler import PHASES  # torch's compile phases that do not contain one another
 
     phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
     print(f"{r['start']:14} {r['total_s']:7.2f} s   {phases}")
@@ -226,25 +243,56 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_flags(ap)
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="Strategy.bucket_size_mb (its default: 256)")
-    ap.add_argument("--align-blocks", nargs="?", choices=["true", "false", "auto"], const="true", default=None,
-                    help="Strategy.align_buckets_to_blocks (the flag alone: true; absent: the Strategy default)")
-    ap.add_argument("--precision", choices=["fp32", "amp", "bf16master"], default="fp32",
-                    help="as tools/bench_step.py: fp32 (TF32 matmuls), amp (bf16 autocast forward), bf16master (bf16 parameters, fp32 master weights)")
-    ap.add_argument("--compile-workers", type=workers_arg, default="auto",
-                    help="Strategy.compile_workers: processes besides the main one, or 'auto' (the default: by the cores)")
+    ap.add_argument(
+        "--align-blocks",
+        nargs="?",
+        choices=["true", "false", "auto"],
+        const="true",
+        default=None,
+        help="Strategy.align_buckets_to_blocks (the flag alone: true; absent: the Strategy default)",
+    )
+    ap.add_argument(
+        "--precision",
+        choices=["fp32", "amp", "bf16master"],
+        default="fp32",
+        help="as tools/bench_step.py: fp32 (TF32 matmuls), amp (bf16 autocast forward), bf16master (bf16 "
+        "parameters, fp32 master weights)",
+    )
+    ap.add_argument(
+        "--compile-workers",
+        type=workers_arg,
+        default="auto",
+        help="Strategy.compile_workers: processes besides the main one, or 'auto' (the default: by the cores)",
+    )
     ap.add_argument("--start", choices=["all", "fresh", "restart", "torch_compile"], default="all")
-    ap.add_argument("--starts", nargs="+", choices=["fresh", "restart", "torch_compile"], default=["fresh", "restart", "torch_compile"], help="which starts to run (restart needs fresh)")
+    ap.add_argument(
+        "--starts",
+        nargs="+",
+        choices=["fresh", "restart", "torch_compile"],
+        default=["fresh", "restart", "torch_compile"],
+        help="which starts to run (restart needs fresh)",
+    )
     ap.add_argument("--program", help="program file (internal)")
     ap.add_argument("--cache-dir", help="inductor cache directory (default: a new empty one)")
     ap.add_argument("--profile", help="directory for each start's cProfile summary")
     ap.add_argument("--timeout", type=float, default=None, help="seconds each start may take (default: no limit)")
-    ap.add_argument("--at-once", type=int, default=1, help="run this many copies of each start at the same time, each "
-                    "with its own cache and program (as the ranks of one host compile at once, sharing its cores)")
-    ap.add_argument("--pycache", help="write Python bytecode for torch, triton and graphfuse into this directory first, "
-                    "and let every start use it (PYTHONPYCACHEPREFIX), as on a normal install (see bytecode_note)")
+    ap.add_argument(
+        "--at-once",
+        type=int,
+        default=1,
+        help="run this many copies of each start at the same time, each "
+        "with its own cache and program (as the ranks of one host compile at once, sharing its cores)",
+    )
+    ap.add_argument(
+        "--pycache",
+        help="write Python bytecode for torch, triton and graphfuse into this directory first, "
+        "and let every start use it (PYTHONPYCACHEPREFIX), as on a normal install (see bytecode_note)",
+    )
     args = ap.parse_args()
     if args.start in ("fresh", "restart") and not args.program:
-        ap.error(f"--start {args.start} needs --program PATH: the program file the fresh start writes and a restart reads")
+        ap.error(
+            f"--start {args.start} needs --program PATH: the program file the fresh start writes and a restart reads"
+        )
     if args.start != "all":
         logging.basicConfig(format="%(message)s")  # graphfuse's start-up log, shown by the parent
         logging.getLogger("graphfuse").setLevel(logging.INFO)
@@ -268,7 +316,11 @@ def main() -> None:
                 print_row(rows[-1])  # at once: a later start that hangs does not hide this one
         if args.at_once > 1 and (done := [r["total_s"] for r in rows if r["start"] == start]):
             print(f"{start:14} {max(done):7.2f} s   the slowest of {len(done)} copies at once", flush=True)
-    print(json.dumps({"bench": "startup", "device": args.device, "torch": torch.__version__, "config": vars(args), "rows": rows}))
+    print(
+        json.dumps(
+            {"bench": "startup", "device": args.device, "torch": torch.__version__, "config": vars(args), "rows": rows}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -12,44 +12,27 @@ few memory-bound kernels. This measures achieved memory bandwidth against a plai
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import time
+import statistics
 
 import torch
+from _bench import machine, print_report, timed  # tools/_bench.py: what the benches share
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphfuse import optim as gopt
 
 
-def timed(fn, device: str, iters: int) -> float:
-    """Median seconds per call, after warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads (torch {torch.__version__})"
+def median_s(fn, device: str, iters: int) -> float:
+    """Median seconds per call of `fn`, after 3 calls of warm-up."""
+    return statistics.median(timed(lambda _: fn(), range(iters + 3), 3, device))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--numel", type=int, default=None, help="elements in the shard (default: 256M on cuda, 16M on cpu)")
-    ap.add_argument("--params", type=int, default=200, help="parameters packed into the bucket for the packing benchmark")
+    ap.add_argument(
+        "--params", type=int, default=200, help="parameters packed into the bucket for the packing benchmark"
+    )
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     from torch._inductor.compile_fx import compile_fx
@@ -58,7 +41,9 @@ def main() -> None:
     torch.manual_seed(0)
     p, g, m, v = (torch.randn(n, device=device) for _ in range(4))
     v = v.abs()
-    spec = gopt.GroupSpec(kind="adam", params=("p",), decoupled=True, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    spec = gopt.GroupSpec(
+        kind="adam", params=("p",), decoupled=True, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1
+    )
     scalars = {k: torch.tensor(x, dtype=torch.float64) for k, x in spec.host_scalars(1e-3, 0.1, 10).items()}
     names = list(scalars)
 
@@ -81,16 +66,22 @@ def main() -> None:
 
     results = {}
     bytes_update = 7 * 4 * n  # read p, g, m, v; write p, m, v (fp32)
-    results["copy (peak)"] = (timed(lambda: m.copy_(v), device, args.iters), 2 * 4 * n)
-    results["graphfuse update, inductor, in place"] = (timed(lambda: in_place(*inputs), device, args.iters), bytes_update)
-    results["graphfuse update, inductor, functional + copy"] = (timed(functional_then_copy, device, args.iters), bytes_update)
+    results["copy (peak)"] = (median_s(lambda: m.copy_(v), device, args.iters), 2 * 4 * n)
+    results["graphfuse update, inductor, in place"] = (
+        median_s(lambda: in_place(*inputs), device, args.iters),
+        bytes_update,
+    )
+    results["graphfuse update, inductor, functional + copy"] = (
+        median_s(functional_then_copy, device, args.iters),
+        bytes_update,
+    )
     for label, kw in (("torch AdamW fused", {"fused": True}), ("torch AdamW foreach", {"foreach": True})):
         if label.endswith("fused") and device == "cpu" and not hasattr(torch, "_fused_adamw_"):
             continue
         param = torch.nn.Parameter(torch.randn(n, device=device))
         param.grad = torch.randn(n, device=device)
         opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.1, **kw)
-        results[label] = (timed(opt.step, device, args.iters), bytes_update)
+        results[label] = (median_s(opt.step, device, args.iters), bytes_update)
         del opt, param
 
     # Gradient packing: many gradients into one flat, padded bucket.
@@ -109,12 +100,17 @@ def main() -> None:
     pack_compiled = compile_fx(make_fx(pack)(*grads), grads)
     pack_zero_compiled = compile_fx(make_fx(pack_zero_pieces)(*grads), grads)
     pack_bytes = 2 * 4 * sum(x.numel() for x in grads)
-    results["pack gradients, eager"] = (timed(lambda: pack(*grads), device, args.iters), pack_bytes)
-    results["pack gradients, inductor (pad + cat)"] = (timed(lambda: pack_compiled(*grads), device, args.iters), pack_bytes)
-    results["pack gradients, inductor (cat with zero pieces)"] = (timed(lambda: pack_zero_compiled(*grads), device, args.iters), pack_bytes)
+    results["pack gradients, eager"] = (median_s(lambda: pack(*grads), device, args.iters), pack_bytes)
+    results["pack gradients, inductor (pad + cat)"] = (
+        median_s(lambda: pack_compiled(*grads), device, args.iters),
+        pack_bytes,
+    )
+    results["pack gradients, inductor (cat with zero pieces)"] = (
+        median_s(lambda: pack_zero_compiled(*grads), device, args.iters),
+        pack_bytes,
+    )
 
     peak = results["copy (peak)"][1] / results["copy (peak)"][0]
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"update of {n:,} fp32 elements on {machine(device)}")
@@ -125,8 +121,7 @@ def main() -> None:
         bw = nbytes / sec
         row[label] = {"ms": sec * 1e3, "GBps": bw / 1e9, "of_peak": bw / peak}
         t.add_row(label, f"{sec * 1e3:.3f}", f"{bw / 1e9:.0f}", f"{bw / peak:.0%}")
-    Console().print(t)
-    print(json.dumps({"bench": "update", "device": device, "machine": machine(device), "numel": n, "results": row}))
+    print_report([t], {"bench": "update", "device": device, "machine": machine(device), "numel": n, "results": row})
 
 
 if __name__ == "__main__":

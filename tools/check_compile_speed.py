@@ -2,7 +2,8 @@
 defaults for those settings and once with graphfuse's, each in a fresh process with an empty
 cache, and print the scheduler's time and whether the generated code is the same.
 
-    python tools/check_compile_speed.py --device cuda --layers 12 --embd 768 --heads 12 --block 1024 --vocab 50304 --batch 8
+    python tools/check_compile_speed.py --device cuda --layers 12 --embd 768 --heads 12 --block 1024 --vocab 50304
+    --batch 8
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ from pathlib import Path
 
 import torch
 from bench_startup import add_model_flags, setup  # the same GPT, optimizer and batch as the start-up bench
-from kernel_launches import output_modules
+
+from graphfuse.analysis import output_modules
 
 
 def one(args) -> dict:
     """One compile in this process, with COMPILE_SPEED as graphfuse has it or emptied."""
     import graphfuse as gf
-    import graphfuse.compiler.inductor as inductor
+    from graphfuse.compiler import use_inductor_defaults
     from graphfuse.testing.models import gpt_loss
 
     if args.variant == "default":
-        inductor.COMPILE_SPEED = {}
+        use_inductor_defaults("COMPILE_SPEED")
     model, opt, batch = setup(args)
     t = time.perf_counter()
     dm = gf.compile(model, opt, gpt_loss, batch, gf.Strategy(compile="inductor"))
@@ -41,8 +43,12 @@ def one(args) -> dict:
 
     modules = output_modules(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
     code = re.sub(r"#.*", "", modules[-1].read_text()) if modules else ""  # comments name source nodes and cache paths
-    return {"variant": args.variant, "total_s": time.perf_counter() - t, "scheduler_s": sum(m.get("Scheduler.__init__", [0.0])),
-            "code_sha1": hashlib.sha1(code.encode()).hexdigest() if code else None}
+    return {
+        "variant": args.variant,
+        "total_s": time.perf_counter() - t,
+        "scheduler_s": sum(m.get("Scheduler.__init__", [0.0])),
+        "code_sha1": hashlib.sha1(code.encode()).hexdigest() if code else None,
+    }
 
 
 def main() -> None:
@@ -56,13 +62,32 @@ def main() -> None:
     rows = []
     for variant in ("default", "graphfuse"):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="graphfuse-compile-speed-")}
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], f"--variant={variant}"], env=env, check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], f"--variant={variant}"],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     for r in rows:
-        print(f"{r['variant']:10} to the first step {r['total_s']:6.2f} s, Scheduler.__init__ {r['scheduler_s']:5.2f} s, code {r['code_sha1']}")
+        print(
+            f"{r['variant']:10} to the first step {r['total_s']:6.2f} s, Scheduler.__init__ "
+            f"{r['scheduler_s']:5.2f} s, code {r['code_sha1']}"
+        )
     same = rows[0]["code_sha1"] is not None and rows[0]["code_sha1"] == rows[1]["code_sha1"]
     print("same generated code" if same else "the generated code DIFFERS")
-    print(json.dumps({"bench": "compile_speed", "device": args.device, "torch": torch.__version__, "rows": rows, "same_code": same}))
+    print(
+        json.dumps(
+            {
+                "bench": "compile_speed",
+                "device": args.device,
+                "torch": torch.__version__,
+                "rows": rows,
+                "same_code": same,
+            }
+        )
+    )
     sys.exit(0 if same else 1)
 
 

@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -64,7 +63,7 @@ class Stream:
     def __init__(self, seed: int) -> None:
         import torch
 
-        from graphfuse.checkpoint.manager import rng_state
+        from graphfuse.checkpoint import rng_state
 
         torch.manual_seed(seed)
         random.seed(seed)
@@ -72,7 +71,7 @@ class Stream:
 
     @contextlib.contextmanager
     def active(self):
-        from graphfuse.checkpoint.manager import rng_state, set_rng_state
+        from graphfuse.checkpoint import rng_state, set_rng_state
 
         set_rng_state(self.state)
         try:
@@ -103,9 +102,15 @@ class Case:
             batch = self.loader.next()
             self.loader.pos = 0
             strategy = gf.Strategy(checkpoint_mode=mode)
-            self.dm = gf.compile(model, opt, lambda m, b: (m(b[0]) - b[1]).square().mean(), batch, strategy=strategy, group=group)
-            self.ckpt = None if root is None else Checkpointer(
-                root / self.name, self.dm, self.sched, every=EVERY, keep=KEEP, async_=async_, data=self.loader
+            self.dm = gf.compile(
+                model, opt, lambda m, b: (m(b[0]) - b[1]).square().mean(), batch, strategy=strategy, group=group
+            )
+            self.ckpt = (
+                None
+                if root is None
+                else Checkpointer(
+                    root / self.name, self.dm, self.sched, every=EVERY, keep=KEEP, async_=async_, data=self.loader
+                )
             )
             self.start = 0 if self.ckpt is None else (self.ckpt.load_latest() or 0)
 
@@ -217,8 +222,17 @@ def trial(kill: str, seed: int, timeout: float) -> dict:
         # A store of its own for each generation: torch 2.13's torchrun shares one store across
         # restarts, and a restarted job may read the killed one's keys (pytorch/pytorch#135712).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-               "--monitor-interval=0.2", __file__, "--job"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "--monitor-interval=0.2",
+            __file__,
+            "--job",
+        ]
         t0 = time.monotonic()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -245,8 +259,14 @@ def judge(plan: dict, rc: int | None, log: str, results: list[dict], seconds: fl
             if c["digest"] != r["cases"][f"reference-{name.split('-')[0]}"]["digest"]:
                 problems.append(f"rank {r['rank']} {name}: final state differs from the run with no kill")
     plan = {k: v for k, v in plan.items() if k != "dir"}
-    return {**plan, "seconds": round(seconds, 1), "resumed_from": resumed, "bitwise": not problems,
-            "problems": problems, "log": "" if not problems else log[-3000:]}
+    return {
+        **plan,
+        "seconds": round(seconds, 1),
+        "resumed_from": resumed,
+        "bitwise": not problems,
+        "problems": problems,
+        "log": "" if not problems else log[-3000:],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,20 +285,30 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(args.seed, args.seed + args.trials):
             t = trial(kill, seed, args.timeout)
             trials.append(t)
-            print(f"{kill:8} seed {seed}: rank {t['kill_rank']} killed at step {t['kill_step']} of {t['kill_case']}"
-                  f"{' (' + t['kill_point'] + ')' if t['kill_point'] else ''}; resumed from {t['resumed_from']}; "
-                  f"{'bitwise' if t['bitwise'] else 'NOT bitwise: ' + '; '.join(t['problems'])} ({t['seconds']} s)", flush=True)
+            print(
+                f"{kill:8} seed {seed}: rank {t['kill_rank']} killed at step {t['kill_step']} of {t['kill_case']}"
+                f"{' (' + t['kill_point'] + ')' if t['kill_point'] else ''}; resumed from {t['resumed_from']}; "
+                f"{'bitwise' if t['bitwise'] else 'NOT bitwise: ' + '; '.join(t['problems'])} ({t['seconds']} s)",
+                flush=True,
+            )
             if t["log"]:
                 print(t["log"], flush=True)
     print(f"{'kill':>8} {'trials':>7} {'bitwise':>8}")
     for kill in args.kill.split(","):
         mine = [t for t in trials if t["kill"] == kill]
         print(f"{kill:>8} {len(mine):>7} {sum(t['bitwise'] for t in mine):>8}")
-    machine = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-               "torch": __import__("torch").__version__, "load_avg": [round(x, 2) for x in os.getloadavg()]}
-    summary = {"tool": "elastic_resume", "machine": machine, "steps": STEPS, "every": EVERY, "keep": KEEP,
-               "wall_s": round(time.monotonic() - t0, 1), "all_bitwise": all(t["bitwise"] for t in trials),
-               "trials": [{k: v for k, v in t.items() if k != "log"} for t in trials]}
+    from _bench import machine_facts  # here: it imports torch, which this parent process needs only now
+
+    summary = {
+        "tool": "elastic_resume",
+        "machine": machine_facts(),
+        "steps": STEPS,
+        "every": EVERY,
+        "keep": KEEP,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "all_bitwise": all(t["bitwise"] for t in trials),
+        "trials": [{k: v for k, v in t.items() if k != "log"} for t in trials],
+    }
     print(json.dumps(summary))
     return 0 if summary["all_bitwise"] else 1
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -51,8 +50,13 @@ def child(args: argparse.Namespace) -> None:
     mean = loss.detach().clone()
     dist.all_reduce(mean)  # the last collective before the destroy, on a tensor the script keeps
     _KEEP.extend([loss, mean] + [dist.group.WORLD] * args.hold_group)
-    report.update(rank=os.environ["RANK"], mean=float(mean) / dist.get_world_size(), after_destroy=-1,
-                  groups=_weak_groups(), pending=torch._C._distributed_c10d._get_work_registry_size())
+    report.update(
+        rank=os.environ["RANK"],
+        mean=float(mean) / dist.get_world_size(),
+        after_destroy=-1,
+        groups=_weak_groups(),
+        pending=torch._C._distributed_c10d._get_work_registry_size(),
+    )
     if not args.no_destroy:
         dist.destroy_process_group()
         report["after_destroy"] = sum(r() is not None for r in report["groups"])
@@ -68,8 +72,11 @@ def _weak_groups() -> list:
 
 def _report(report: dict) -> None:
     at_exit = sum(r() is not None for r in report.get("groups", []))
-    print(f"\nexit-soak rank={report.get('rank')} mean_loss={report.get('mean', 0.0):.6f} after_destroy="
-          f"{report.get('after_destroy', -1)} at_exit={at_exit} pending_work={report.get('pending', 0)}", flush=True)
+    print(
+        f"\nexit-soak rank={report.get('rank')} mean_loss={report.get('mean', 0.0):.6f} after_destroy="
+        f"{report.get('after_destroy', -1)} at_exit={at_exit} pending_work={report.get('pending', 0)}",
+        flush=True,
+    )
 
 
 def _graphfuse(args: argparse.Namespace):
@@ -114,7 +121,15 @@ class Run:
 
 
 def _command(ranks: int, args: argparse.Namespace, save_dir: str | None) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__, "--child"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        __file__,
+        "--child",
+    ]
     cmd += ["--steps", str(args.steps)]
     for flag in ("hold_group", "no_destroy", "plain", "late_import"):
         cmd += [f"--{flag.replace('_', '-')}"] * getattr(args, flag)
@@ -128,14 +143,20 @@ def _judge(ranks: int, index: int, rc: int | None, out: str, seconds: float, arg
     if rc is None:
         return Run(ranks, index, "timeout", rc, seconds, out[-2000:])
     if any(s in out for s in ABORT_SIGNS):
-        return Run(ranks, index, "abort", rc, seconds, next(ln for ln in out.splitlines() if any(s in ln for s in ABORT_SIGNS)))
+        return Run(
+            ranks, index, "abort", rc, seconds, next(ln for ln in out.splitlines() if any(s in ln for s in ABORT_SIGNS))
+        )
     if rc != 0 or len(lines) != ranks:
         errors = [ln for ln in out.splitlines() if re.search(r"\w+(Error|Exception)\b", ln) and "Traceback" not in ln]
         return Run(ranks, index, "failed", rc, seconds, "\n".join(errors[:3]) + "\n" + out[-1500:])
     if not args.hold_group and any(" at_exit=0 " not in ln for ln in lines):
         return Run(ranks, index, "failed", rc, seconds, "a process group was alive at exit: " + "; ".join(lines))
-    if not (args.hold_group or args.no_destroy or args.late_import) and any(" after_destroy=0 " not in ln for ln in lines):
-        return Run(ranks, index, "failed", rc, seconds, "a process group outlived destroy_process_group(): " + "; ".join(lines))
+    if not (args.hold_group or args.no_destroy or args.late_import) and any(
+        " after_destroy=0 " not in ln for ln in lines
+    ):
+        return Run(
+            ranks, index, "failed", rc, seconds, "a process group outlived destroy_process_group(): " + "; ".join(lines)
+        )
     return Run(ranks, index, "clean", rc, seconds)
 
 
@@ -152,7 +173,9 @@ def soak(args: argparse.Namespace) -> list[Run]:
                 if save_dir:
                     os.makedirs(save_dir)
                 out = tempfile.TemporaryFile("w+")
-                proc = subprocess.Popen(_command(ranks, args, save_dir), stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+                proc = subprocess.Popen(
+                    _command(ranks, args, save_dir), stdout=out, stderr=subprocess.STDOUT, text=True, env=env
+                )
                 active.append((ranks, index, proc, out, time.monotonic()))
             time.sleep(0.1)
             for job in list(active):
@@ -173,31 +196,39 @@ def soak(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-def machine() -> dict:
-    return {
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": __import__("torch").__version__,
-        "load_avg": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
 def report(runs: list[Run], args: argparse.Namespace, wall: float) -> dict:
     rows = []
     for ranks in args.ranks:
         mine = [r for r in runs if r.ranks == ranks]
         counts = {k: sum(r.outcome == k for r in mine) for k in ("clean", "abort", "failed", "timeout")}
         secs = [r.seconds for r in mine] or [0.0]
-        rows.append({"ranks": ranks, "runs": len(mine), **counts, "mean_s": round(sum(secs) / len(secs), 2), "max_s": round(max(secs), 2)})
+        rows.append(
+            {
+                "ranks": ranks,
+                "runs": len(mine),
+                **counts,
+                "mean_s": round(sum(secs) / len(secs), 2),
+                "max_s": round(max(secs), 2),
+            }
+        )
     head = ("ranks", "runs", "clean", "abort", "failed", "timeout", "mean_s", "max_s")
     print(" ".join(f"{h:>8}" for h in head))
     for row in rows:
         print(" ".join(f"{row[h]:>8}" for h in head))
-    options = {k: getattr(args, k) for k in ("steps", "parallel", "save", "hold_group", "no_destroy", "plain", "late_import")}
-    result = {"tool": "exit_soak", "machine": machine(), "options": options, "wall_s": round(wall, 1), "rows": rows,
-              "all_clean": all(r.outcome == "clean" for r in runs), "failures": [asdict(r) for r in runs if r.outcome != "clean"][:10]}
+    options = {
+        k: getattr(args, k) for k in ("steps", "parallel", "save", "hold_group", "no_destroy", "plain", "late_import")
+    }
+    from _bench import machine_facts  # here: it imports torch, which this parent process needs only now
+
+    result = {
+        "tool": "exit_soak",
+        "machine": machine_facts(),
+        "options": options,
+        "wall_s": round(wall, 1),
+        "rows": rows,
+        "all_clean": all(r.outcome == "clean" for r in runs),
+        "failures": [asdict(r) for r in runs if r.outcome != "clean"][:10],
+    }
     print(json.dumps(result))
     return result
 
@@ -209,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--parallel", type=int, default=1, help="jobs at once (the load)")
     p.add_argument("--save", action="store_true", help="an async gf.save before the destroy (its side group too)")
-    p.add_argument("--hold-group", action="store_true", help="keep the group referenced to the end, as DistModel once did")
+    p.add_argument(
+        "--hold-group", action="store_true", help="keep the group referenced to the end, as DistModel once did"
+    )
     p.add_argument("--no-destroy", action="store_true", help="the script never calls destroy_process_group()")
     p.add_argument("--plain", action="store_true", help="torch alone, no graphfuse (a control for --hold-group)")
     p.add_argument("--late-import", action="store_true", help="import graphfuse after init_process_group()")

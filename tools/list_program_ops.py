@@ -6,7 +6,8 @@ transformers Llama and BERT, and the zoo's models whose program files are tested
 Mixtral) with
 each supported optimizer and the strategies that add ops (world size 2, gradient clipping,
 accumulation, fp32 master weights for bf16 parameters), runs the pass pipeline without a
-process group, and prints the operator names as JSON. Compare with ops.admitted_names() (the explicit names plus the op families):
+process group, and prints the operator names as JSON. Compare with ops.admitted_names() (the explicit names plus the
+op families):
 
     python tools/list_program_ops.py [--quick] [--device cuda]
 """
@@ -59,20 +60,34 @@ def _models(quick: bool) -> dict:
 def _bert() -> torch.nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
-    cfg = BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                     attn_implementation="eager")
+    cfg = BertConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
     return BertForMaskedLM(cfg)
 
 
 def _ops(program: gf.Program) -> set[str]:
-    return {f"{n.target.namespace}.{n.target._opname}" if isinstance(n.target, torch._ops.OpOverload)
-            else f"{n.target.__module__}.{n.target.__name__}"
-            for n in program.graph.nodes if n.op == "call_function"}
+    return {
+        f"{n.target.namespace}.{n.target._opname}"
+        if isinstance(n.target, torch._ops.OpOverload)
+        else f"{n.target.__module__}.{n.target.__name__}"
+        for n in program.graph.nodes
+        if n.op == "call_function"
+    }
 
 
 def _to(batch, device: str, dtype: torch.dtype | None = None):
-    return tuple(b.to(device=device, dtype=dtype if dtype is not None and b.is_floating_point() else b.dtype) for b in batch)
+    return tuple(
+        b.to(device=device, dtype=dtype if dtype is not None and b.is_floating_point() else b.dtype) for b in batch
+    )
 
 
 def collect(quick: bool = False, device: str = "cpu") -> set[str]:

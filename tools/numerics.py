@@ -24,13 +24,13 @@ import argparse
 import copy
 import json
 import os
-import platform
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from _bench import machine, torch_step  # tools/_bench.py: what the benches share
 from rich.console import Console
 from rich.table import Table
 
@@ -68,32 +68,20 @@ def loss_fn_for(precision: str, device: str) -> Callable:
     return loss_fn
 
 
-def torch_runner(name: str, base: torch.nn.Module, loss_fn: Callable, master: bool, fused: bool, compiled: bool) -> Runner:
+def torch_runner(
+    name: str, base: torch.nn.Module, loss_fn: Callable, master: bool, fused: bool, compiled: bool
+) -> Runner:
     model = copy.deepcopy(base)
     kw = {"fused": True} if fused else {"foreach": False}
     masters = [p.detach().float().requires_grad_() for p in model.parameters()] if master else None
     opt = torch.optim.AdamW(masters if master else model.parameters(), lr=LR, weight_decay=WD, **kw)
     forward = torch.compile(model) if compiled else model
-
-    def step(batch):
-        loss = loss_fn(forward, batch)
-        loss.backward()
-        if master:
-            for p, m in zip(model.parameters(), masters):
-                m.grad = p.grad.float()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        if master:
-            with torch.no_grad():
-                for p, m in zip(model.parameters(), masters):
-                    p.copy_(m)
-        return loss.detach()
-
-    return Runner(name, model, step)
+    return Runner(name, model, torch_step(model, forward, opt, loss_fn, masters))
 
 
-def graphfuse_runner(name: str, base: torch.nn.Module, loss_fn: Callable, master: bool, compile_mode: str, batch) -> Runner:
+def graphfuse_runner(
+    name: str, base: torch.nn.Module, loss_fn: Callable, master: bool, compile_mode: str, batch
+) -> Runner:
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     strategy = gf.Strategy(compile=compile_mode, master_dtype=torch.float32 if master else None)
@@ -143,8 +131,14 @@ def run_config(args, precision: str, seed: int) -> dict:
             r.losses.append(float(r.step(b)))
         if i + 1 == args.check_step:
             early = {r.name: param_report(r, ref, args.top) for r in runners[1:]}
-    result = {"precision": precision, "seed": seed, "batch": args.batch, "steps": args.steps, "check_step": args.check_step,
-              "methods": {}}
+    result = {
+        "precision": precision,
+        "seed": seed,
+        "batch": args.batch,
+        "steps": args.steps,
+        "check_step": args.check_step,
+        "methods": {},
+    }
     for r in runners[1:]:
         diffs = [a - b for a, b in zip(r.losses, ref.losses)]
         result["methods"][r.name] = {
@@ -163,34 +157,47 @@ def run_config(args, precision: str, seed: int) -> dict:
 
 
 def verdict(m: dict, peer: dict) -> str:
-    """"ok" when graphfuse is no further from eager than torch.compile: in max |dloss| over all
+    """ "ok" when graphfuse is no further from eager than torch.compile: in max |dloss| over all
     steps, and in elements moved the wrong way at the check step (before trajectories decorrelate)."""
     early_ok = m["early"] is None or peer["early"] is None or m["early"]["wrong_way"] <= peer["early"]["wrong_way"]
     return "ok" if m["max_loss_diff"] <= peer["max_loss_diff"] and early_ok else "WORSE"
 
 
 def print_config(console: Console, result: dict) -> None:
-    t = Table(title=f"{result['precision']}, seed {result['seed']}, batch {result['batch']}, {result['steps']} steps (vs eager AdamW foreach=False)")
+    t = Table(
+        title=f"{result['precision']}, seed {result['seed']}, batch {result['batch']}, {result['steps']} steps "
+        f"(vs eager AdamW foreach=False)"
+    )
     k = result["check_step"]
-    for col in ("method", f"max |dloss| steps 1-{k}", "max |dloss| all", f"elems > 1.5 lr at step {k}",
-                f"largest at step {k}: param max (wrong-way/numel)", "elems > 1.5 lr at end", "verdict vs torch.compile"):
+    for col in (
+        "method",
+        f"max |dloss| steps 1-{k}",
+        "max |dloss| all",
+        f"elems > 1.5 lr at step {k}",
+        f"largest at step {k}: param max (wrong-way/numel)",
+        "elems > 1.5 lr at end",
+        "verdict vs torch.compile",
+    ):
         t.add_column(col)
     for name, m in result["methods"].items():
         early = m["early"] or {"wrong_way": "", "top": []}
         top = ", ".join(f"{r['param']} {r['max']:.1e} ({r['wrong_way']}/{r['numel']})" for r in early["top"])
-        t.add_row(name, f"{m['max_loss_diff_early']:.2e}", f"{m['max_loss_diff']:.2e}", str(early["wrong_way"]), top,
-                  str(m["wrong_way"]), m.get("verdict", ""))
+        t.add_row(
+            name,
+            f"{m['max_loss_diff_early']:.2e}",
+            f"{m['max_loss_diff']:.2e}",
+            str(early["wrong_way"]),
+            top,
+            str(m["wrong_way"]),
+            m.get("verdict", ""),
+        )
     console.print(t)
 
 
-def machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    return f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--size", choices=list(SIZES), default="small")
     ap.add_argument("--precisions", nargs="+", choices=["fp32", "tf32", "amp", "bf16master"], default=["fp32"])
@@ -199,9 +206,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--top", type=int, default=3, help="parameters listed per method")
-    ap.add_argument("--check-step", type=int, default=4,
-                    help="step after which parameters are compared element by element (a wrong gradient shows within a few "
-                    "steps; after a few dozen, every method's trajectory has decorrelated from eager's)")
+    ap.add_argument(
+        "--check-step",
+        type=int,
+        default=4,
+        help="step after which parameters are compared element by element (a wrong gradient shows within a few "
+        "steps; after a few dozen, every method's trajectory has decorrelated from eager's)",
+    )
     ap.add_argument("--det", action="store_true", help="deterministic algorithms (uninitialised memory reads as NaN)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -218,9 +229,16 @@ def main(argv=None) -> int:
             print_config(console, result)
             results.append(result)
     verdicts = [m["verdict"] for r in results for m in r["methods"].values() if "verdict" in m]
-    summary = {"machine": machine(args.device), "args": vars(args), "results": results,
-               "verdict": "ok" if all(v == "ok" for v in verdicts) else "WORSE"}
-    console.print(f"verdict: {summary['verdict']} ({verdicts.count('ok')} of {len(verdicts)} graphfuse runs no further from eager than torch.compile)")
+    summary = {
+        "machine": machine(args.device),
+        "args": vars(args),
+        "results": results,
+        "verdict": "ok" if all(v == "ok" for v in verdicts) else "WORSE",
+    }
+    console.print(
+        f"verdict: {summary['verdict']} ({verdicts.count('ok')} of {len(verdicts)} graphfuse runs no further "
+        f"from eager than torch.compile)"
+    )
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0
 

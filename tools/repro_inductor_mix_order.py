@@ -45,7 +45,18 @@ def run_joint(rows: int, cols: int, off: bool) -> tuple[torch.Tensor, torch.Tens
     dev = "cuda"
     x, y = torch.randn(rows, cols, device=dev), torch.randint(0, 256, (rows,), device=dev)
     params = []
-    for shape in [(cols, cols), (cols,), (cols, cols), (cols,), (cols, cols), (cols,), (cols,), (cols,), (256, cols), (256,)]:
+    for shape in [
+        (cols, cols),
+        (cols,),
+        (cols, cols),
+        (cols,),
+        (cols, cols),
+        (cols,),
+        (cols,),
+        (cols,),
+        (256, cols),
+        (256,),
+    ]:
         params.append((torch.randn(shape, device=dev) * 0.02).requires_grad_())
     params[6].data.fill_(1.0)
     expected = joint_step(x, y, *params)[1]
@@ -58,10 +69,16 @@ def run_joint(rows: int, cols: int, off: bool) -> tuple[torch.Tensor, torch.Tens
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--off", action="store_true", help="compile with triton.mix_order_reduction=False")
-    ap.add_argument("--rows", type=int, default=8192, help="mix-order reduction needs rows*cols >= 5*2**20 and rows >= 4096")
+    ap.add_argument(
+        "--rows", type=int, default=8192, help="mix-order reduction needs rows*cols >= 5*2**20 and rows >= 4096"
+    )
     ap.add_argument("--cols", type=int, default=768)
-    ap.add_argument("--det", action="store_true", help="torch.use_deterministic_algorithms(True): unwritten memory reads as NaN")
-    ap.add_argument("--joint", action="store_true", help="a make_fx-traced forward+backward whose gradients are packed by cat")
+    ap.add_argument(
+        "--det", action="store_true", help="torch.use_deterministic_algorithms(True): unwritten memory reads as NaN"
+    )
+    ap.add_argument(
+        "--joint", action="store_true", help="a make_fx-traced forward+backward whose gradients are packed by cat"
+    )
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (the miscompiled kernel is Triton's)")
@@ -88,9 +105,12 @@ def report(a, expected: torch.Tensor, got: torch.Tensor) -> int:
     err = (got - expected).abs()
     scale = expected.abs().max().item()
     bad = int((err > 1e-3 * scale).sum()) + int((~torch.isfinite(got)).sum())
-    print(f"torch {torch.__version__} {torch.cuda.get_device_name()} rows={a.rows} cols={a.cols} "
-          f"mix_order_reduction={'off' if a.off else 'on'} det={a.det} joint={a.joint}: {bad} of {got.numel()} elements of the cat "
-          f"wrong (max |err| {err.nan_to_num(float('inf')).max().item():.3g}, scale {scale:.3g})")
+    print(
+        f"torch {torch.__version__} {torch.cuda.get_device_name()} rows={a.rows} cols={a.cols} "
+        f"mix_order_reduction={'off' if a.off else 'on'} det={a.det} joint={a.joint}: {bad} of {got.numel()} "
+        f"elements of the cat "
+        f"wrong (max |err| {err.nan_to_num(float('inf')).max().item():.3g}, scale {scale:.3g})"
+    )
     return 1 if bad else 0
 
 

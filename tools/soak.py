@@ -10,38 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import tempfile
 import time
-from pathlib import Path
 
 import torch
+from _bench import machine as bench_machine  # tools/_bench.py: what the benches share
 
 import graphfuse as gf
-from graphfuse.testing.launch import run_ranks
+from graphfuse.testing.launch import RankFailure, run_ranks
 from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
+from graphfuse.testing.progress import heartbeat, reached
 
 CFG = GPTConfig(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
-
-
-def _heartbeat(progress: str, rank: int, step: int) -> None:
-    # The step each rank has reached, so that a run past its timeout can be told apart: slow
-    # (every rank still moving) or hung (a rank's last step long ago).
-    path = Path(progress) / f"rank{rank}"
-    path.with_suffix(".tmp").write_text(f"{step} {time.time()}")
-    path.with_suffix(".tmp").replace(path)
-
-
-def _progress(progress: str, ranks: int) -> dict[int, str]:
-    now, out = time.time(), {}
-    for r in range(ranks):
-        try:
-            step, at = (Path(progress) / f"rank{r}").read_text().split()
-            out[r] = f"step {step}, {now - float(at):.0f}s ago"
-        except (OSError, ValueError):
-            out[r] = "no step finished"
-    return out
 
 
 def _rank_main(rank: int, world: int, steps: int, strategy: gf.Strategy, progress: str) -> dict:
@@ -54,7 +34,7 @@ def _rank_main(rank: int, world: int, steps: int, strategy: gf.Strategy, progres
     for i in range(steps):
         loss = dm(batches[i % len(batches)])
         if i % 50 == 0 or i == steps - 1:
-            _heartbeat(progress, rank, i + 1)
+            heartbeat(progress, rank, i + 1)
     return {
         "buckets": len(dm.layout.buckets),
         "max_inflight": dm.strategy.max_inflight_collectives,
@@ -67,11 +47,18 @@ def one_run(args, strategy: gf.Strategy) -> dict:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gf-soak-") as progress:
         try:
-            results = run_ranks(_rank_main, args.ranks, args.steps, strategy, progress, threads=args.threads, timeout=args.run_timeout)
-        except AssertionError as e:  # RankFailure, or a hang past the timeout
+            results = run_ranks(
+                _rank_main, args.ranks, args.steps, strategy, progress, threads=args.threads, timeout=args.run_timeout
+            )
+        except RankFailure as e:  # a rank failed, or hung past the timeout
             cause = getattr(e, "traceback", str(e)).strip().splitlines() or [""]
-            return {"ok": False, "rank": getattr(e, "rank", None), "error": cause[-1], "seconds": time.monotonic() - t0,
-                    "progress": _progress(progress, args.ranks)}
+            return {
+                "ok": False,
+                "rank": getattr(e, "rank", None),
+                "error": cause[-1],
+                "seconds": time.monotonic() - t0,
+                "progress": reached(progress, args.ranks),
+            }
     return {"ok": True, "seconds": time.monotonic() - t0, **results[0]}
 
 
@@ -94,14 +81,18 @@ def main() -> int:
     for i in range(args.runs):
         runs.append(one_run(args, strategy))
         r = runs[-1]
-        what = f"ok, {r['buckets']} buckets, max in flight {r['max_inflight']}, {r['step_ms']:.1f} ms/step" if r["ok"] else (
-            f"FAILED (rank {r['rank']}): {r['error']}; reached: {r['progress']}"
+        what = (
+            f"ok, {r['buckets']} buckets, max in flight {r['max_inflight']}, {r['step_ms']:.1f} ms/step"
+            if r["ok"]
+            else (f"FAILED (rank {r['rank']}): {r['error']}; reached: {r['progress']}")
         )
         print(f"run {i}: {what} ({r['seconds']:.0f}s)", flush=True)
     failed = [r for r in runs if not r["ok"]]
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    print(f"\n| ranks | runs | steps | max_inflight | overlap | failed |\n|---|---|---|---|---|---|\n"
-          f"| {args.ranks} | {args.runs} | {args.steps} | {args.max_inflight} | {not args.no_overlap} | {len(failed)} |")
+    machine = bench_machine("cpu")
+    print(
+        f"\n| ranks | runs | steps | max_inflight | overlap | failed |\n|---|---|---|---|---|---|\n"
+        f"| {args.ranks} | {args.runs} | {args.steps} | {args.max_inflight} | {not args.no_overlap} | {len(failed)} |"
+    )
     print(json.dumps({"tool": "soak", "machine": machine, **vars(args), "failed": len(failed), "results": runs}))
     return 1 if failed else 0
 

@@ -15,9 +15,11 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from graphfuse import optim as gopt
+from graphfuse.capture.phases import mark_phases
 from graphfuse.capture.tracing import (
     make_fx_exact,
     module_of_error,
+    reads_whole,
     scalar_example,
     tensor_meta,
     trace,
@@ -63,13 +65,15 @@ class _ModelInfo:
         for fqn, b in model.named_buffers(remove_duplicate=False):
             if fqn not in self.buffers:
                 self.buffers[fqn] = b
-        self.optim = gopt.describe_optimizer(optimizer, first)
+        self.optim = gopt.describe_optimizer(gopt.as_one(optimizer), first)  # a list: several optimizers
         self.group_of = self.optim.group_of()
         self.trainable = [f for f in self.params if f in self.group_of]
         self.frozen = [f for f in self.params if f not in self.group_of]
         for fqn, p in self.params.items():
             if p.is_complex() or not p.is_floating_point():
-                raise UnsupportedError(f"parameter {fqn} has dtype {p.dtype}; only real floating-point parameters are supported")
+                raise UnsupportedError(
+                    f"parameter {fqn} has dtype {p.dtype}; only real floating-point parameters are supported"
+                )
             if p.is_sparse:
                 raise UnsupportedError(f"parameter {fqn} is sparse; only dense parameters are supported")
 
@@ -94,7 +98,10 @@ class _Batch:
         batch = pytree.tree_unflatten([next(it) if t else x for x, t in zip(self.leaves, self.is_tensor)], self.spec)
         if self.k == 1:
             return [batch]
-        return [pytree.tree_map(lambda x, i=i: x.chunk(self.k)[i] if isinstance(x, torch.Tensor) else x, batch) for i in range(self.k)]
+        return [
+            pytree.tree_map(lambda x, i=i: x.chunk(self.k)[i] if isinstance(x, torch.Tensor) else x, batch)
+            for i in range(self.k)
+        ]
 
 
 def capture(
@@ -121,7 +128,7 @@ def capture(
     outputs += _changed_buffers(traced.graph, info, new_buffers)
     traced.graph.output_node().args = (tuple(n for _, n in outputs),)
     traced.graph.eliminate_dead_code()
-    _mark_phases(traced.graph, loss, new_buffers, grads)
+    mark_phases(traced.graph, loss, new_buffers, grads)
     traced.recompile()
     signature = sig.Signature(
         inputs=tuple(specs),
@@ -140,14 +147,21 @@ def _step_inputs(info: _ModelInfo, batch: _Batch) -> tuple[list[sig.InputSpec], 
     inputs += [(sig.InputSpec(sig.FROZEN, f), info.params[f]) for f in info.frozen]
     inputs += [(sig.InputSpec(sig.BUFFER, f), b) for f, b in info.buffers.items()]
     for fqn in info.trainable:  # a state is shaped like its parameter (tracing is fake)
-        inputs += [(sig.InputSpec(sig.STATE, f"{fqn}.{s}"), info.params[fqn]) for s in info.optim.groups[info.group_of[fqn]].state_names]
+        inputs += [
+            (sig.InputSpec(sig.STATE, f"{fqn}.{s}"), info.params[fqn])
+            for s in info.optim.groups[info.group_of[fqn]].state_names
+        ]
     for g, gspec in enumerate(info.optim.groups):
         inputs += [(sig.InputSpec(sig.SCALAR, f"group{g}.{s}"), scalar_example(s)) for s in gspec.scalar_names]
-    inputs += [(sig.InputSpec(sig.BATCH, f"batch.{i}"), x) for i, x in enumerate(batch.leaves) if isinstance(x, torch.Tensor)]
+    inputs += [
+        (sig.InputSpec(sig.BATCH, f"batch.{i}"), x) for i, x in enumerate(batch.leaves) if isinstance(x, torch.Tensor)
+    ]
     return [s for s, _ in inputs], [t for _, t in inputs]
 
 
-def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch, compiling: bool) -> Callable:
+def _step_function(
+    model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch, compiling: bool
+) -> Callable:
     """The step as a function of the inputs in `_step_inputs` order (the optimizer's states
     and scalars are passed and unused: the update is added per group afterwards), returning
     (loss, new buffers, gradients)."""
@@ -193,7 +207,9 @@ def _step_function(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, 
     return step
 
 
-def _trace_step(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch, specs, examples) -> torch.fx.GraphModule:
+def _trace_step(
+    model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, batch: _Batch, specs, examples
+) -> torch.fx.GraphModule:
     """Trace the step on the path eager PyTorch takes: host reads of values computed from
     constants are answered (ConstantValues) and `torch.compiler.is_compiling()` is false. A
     step that reads a value depending on an input is traced again presenting as compiling,
@@ -209,20 +225,25 @@ def _trace_step(model: torch.nn.Module, loss_fn: Callable, info: _ModelInfo, bat
         return trace(_step_function(model, loss_fn, info, batch, compiling=True), specs, examples)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
         raise UnsupportedError(
-            f"the training step reads a tensor's value on the host{module_of_error(e, model)} ({e}: .item(), float(t), int(t), "
+            f"the training step reads a tensor's value on the host{module_of_error(e, model)} ({e}: .item(), "
+            f"float(t), int(t), "
             "`if t:`, or an op whose output shape depends on values, such as nonzero); graphfuse traces "
             "with fake tensors and cannot follow that. Keep such values as tensors (torch.where instead "
             "of `if`), or guard the code with torch.compiler.is_compiling(), which is true while tracing"
         ) from e
 
 
-def _step_outputs(graph: torch.fx.Graph, n_buffers: int) -> tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]:
+def _step_outputs(
+    graph: torch.fx.Graph, n_buffers: int
+) -> tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]:
     """(loss, new buffers, gradients): the step's (loss, buffers, grads), flattened in the output node."""
     flat = [x for x in pytree.tree_leaves(graph.output_node().args) if isinstance(x, torch.fx.Node)]
     return flat[0], flat[1 : 1 + n_buffers], flat[1 + n_buffers :]
 
 
-def _add_updates(graph: torch.fx.Graph, info: _ModelInfo, grad_of: dict[str, torch.fx.Node]) -> list[tuple[sig.OutputSpec, torch.fx.Node]]:
+def _add_updates(
+    graph: torch.fx.Graph, info: _ModelInfo, grad_of: dict[str, torch.fx.Node]
+) -> list[tuple[sig.OutputSpec, torch.fx.Node]]:
     """Append the optimizer update of every trainable parameter; return the new parameters'
     and states' outputs.
 
@@ -235,11 +256,12 @@ def _add_updates(graph: torch.fx.Graph, info: _ModelInfo, grad_of: dict[str, tor
     new_params, new_states = [], []
     for g, gspec in enumerate(info.optim.groups):
         scalars = [by_name[f"group{g}.{s}"] for s in gspec.scalar_names]
+        whole = reads_whole(gspec)  # traced per shape: its ops are not all shaped like the parameter
         for fqn in gspec.params:
             p = info.params[fqn]
-            key = (g, p.dtype, p.device.type)
+            key = (g, p.dtype, p.device.type) + ((tuple(p.shape),) if whole else ())
             if key not in templates:
-                templates[key] = _trace_update(gspec, p.dtype, p.device.type)
+                templates[key] = _trace_update(gspec, p.dtype, p.device.type, tuple(p.shape) if whole else None)
             template = templates[key]
             args = [by_name[fqn], grad_of[fqn], *(by_name[f"{fqn}.{s}"] for s in gspec.state_names), *scalars]
             val_map = dict(zip([n for n in template.nodes if n.op == "placeholder"], args))
@@ -249,13 +271,23 @@ def _add_updates(graph: torch.fx.Graph, info: _ModelInfo, grad_of: dict[str, tor
             with param_val.fake_mode:
                 for t_node in template.nodes:
                     if t_node.op == "call_function":
-                        val_map[t_node].meta["val"] = torch.empty_like(param_val, dtype=t_node.meta["val"].dtype)
+                        v = t_node.meta["val"]  # a whole update's template has this parameter's shapes
+                        val_map[t_node].meta["val"] = (
+                            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=param_val.device)
+                            if whole
+                            else torch.empty_like(param_val, dtype=v.dtype)
+                        )
             new_params.append((sig.OutputSpec(sig.NEW_PARAM, fqn, fqn), new[0]))
-            new_states += [(sig.OutputSpec(sig.NEW_STATE, f"{fqn}.{s}", f"{fqn}.{s}"), n) for s, n in zip(gspec.state_names, new[1:])]
+            new_states += [
+                (sig.OutputSpec(sig.NEW_STATE, f"{fqn}.{s}", f"{fqn}.{s}"), n)
+                for s, n in zip(gspec.state_names, new[1:])
+            ]
     return new_params + new_states
 
 
-def _changed_buffers(graph: torch.fx.Graph, info: _ModelInfo, new_buffers: list[torch.fx.Node]) -> list[tuple[sig.OutputSpec, torch.fx.Node]]:
+def _changed_buffers(
+    graph: torch.fx.Graph, info: _ModelInfo, new_buffers: list[torch.fx.Node]
+) -> list[tuple[sig.OutputSpec, torch.fx.Node]]:
     """Outputs for the buffers the forward wrote (a buffer returned as it came in is not)."""
     by_name = {n.meta["gf_input"].name: n for n in graph.nodes if n.op == "placeholder"}
     return [
@@ -265,11 +297,18 @@ def _changed_buffers(graph: torch.fx.Graph, info: _ModelInfo, new_buffers: list[
     ]
 
 
-def _trace_update(spec: gopt.GroupSpec, dtype: torch.dtype, device: str) -> torch.fx.Graph:
+def _trace_update(
+    spec: gopt.GroupSpec, dtype: torch.dtype, device: str, whole: tuple[int, ...] | None = None
+) -> torch.fx.Graph:
     """`update_function(spec)` of one parameter as a graph whose placeholders are (param, grad,
     *states, *scalars) and whose output is [new param, *new states]; every op in it is
     elementwise and gives a tensor of the parameter's shape and dtype, so it serves parameters
-    of any shape."""
+    of any shape. An update that reads its parameter whole is traced at that parameter's shape `whole`."""
+    if whole is not None:
+        with FakeTensorMode():
+            tensors = [torch.empty(whole, dtype=dtype, device=device) for _ in range(2 + len(spec.state_names))]
+            scalars = [scalar_example(s) for s in spec.scalar_names]
+        return make_fx_exact(update_function(spec), tracing_mode="fake")(*tensors, *scalars).graph
     shape = (2, 3)
     with FakeTensorMode():
         tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2 + len(spec.state_names))]
@@ -279,7 +318,9 @@ def _trace_update(spec: gopt.GroupSpec, dtype: torch.dtype, device: str) -> torc
         val = n.meta.get("val")
         # Boolean masks of the same shape (Rprop's sign tests) are elementwise too.
         if n.op == "call_function" and (tuple(val.shape) != shape or val.dtype not in (dtype, torch.bool)):
-            raise UnsupportedError(f"the {spec.kind} update is not elementwise: {n.format_node()} gives {val.shape} {val.dtype}")
+            raise UnsupportedError(
+                f"the {spec.kind} update is not elementwise: {n.format_node()} gives {val.shape} {val.dtype}"
+            )
     return graph
 
 
@@ -287,29 +328,6 @@ def _unchanged(out: torch.fx.Node, placeholder: torch.fx.Node) -> bool:
     if out is placeholder:
         return True
     return out.op == "call_function" and out.target is torch.ops.aten.clone.default and out.args[0] is placeholder
-
-
-def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
-    seen: set[torch.fx.Node] = set()
-    stack = [r for r in roots if isinstance(r, torch.fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _mark_phases(graph: torch.fx.Graph, loss: torch.fx.Node, buffers: list, grads: list) -> None:
-    """node.meta["phase"]: forward (what the loss and new buffers need), backward (what the
-    gradients need beyond that), optimizer (the rest)."""
-    forward = _ancestors([loss, *buffers])
-    backward = _ancestors(list(grads)) - forward
-    for n in graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr"):
-            continue
-        n.meta["phase"] = sig.FORWARD if n in forward else sig.BACKWARD if n in backward else sig.OPTIMIZER
 
 
 def _gradients(loss: torch.Tensor, params: list[torch.Tensor]) -> tuple:

@@ -3,6 +3,7 @@ graphfuse.frontends.torch_compile): example inputs, fake tensors, placeholder na
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -11,7 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -56,9 +58,9 @@ def name_placeholders(graph: torch.fx.Graph, specs: list[sig.InputSpec]) -> list
 def fake_examples(mode: FakeTensorMode, specs: list[sig.InputSpec], examples: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fake tensors like `examples`; gradients and optimizer states (whose examples are their
     parameter) get fresh fakes of their own, since a fake is memoised per real tensor."""
-    fakes = []
+    fakes: list[torch.Tensor] = []
     for spec, t in zip(specs, examples, strict=True):
-        fake = mode.from_tensor(t)
+        fake: torch.Tensor = mode.from_tensor(t)
         if spec.role in (sig.STATE, sig.GRAD):
             with mode:
                 fake = torch.empty_like(fake)
@@ -79,6 +81,38 @@ def update_function(spec: gopt.GroupSpec) -> Callable:
     return fn
 
 
+# Ops that act per element beside the pointwise ones: a copy, a cast, a filled tensor like another.
+_PER_ELEMENT = {
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.full_like.default,
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.ones_like.default,
+    torch.ops.aten.empty_like.default,
+}
+
+
+@functools.cache
+def reads_whole(spec: gopt.GroupSpec) -> bool:
+    """Whether the group's update reads each parameter whole, decided from its trace on a 2x3
+    parameter: an op that is not per element (not tagged pointwise, nor a copy or a fill) or
+    whose result is not shaped like the parameter (a norm, a transpose, a matrix product, a
+    softmax over a row) reads other elements than its own. Such an update runs per whole
+    parameter, on the rank that owns it (graphfuse.ir.ownership), never on a flat shard."""
+    shape = (2, 3)
+    with FakeTensorMode():
+        tensors = [torch.empty(shape) for _ in range(2 + len(spec.state_names))]
+        scalars = [scalar_example(s) for s in spec.scalar_names]
+    graph = make_fx_exact(update_function(spec), tracing_mode="fake")(*tensors, *scalars).graph
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        per_element = torch.Tag.pointwise in getattr(n.target, "tags", ()) or n.target in _PER_ELEMENT
+        if not per_element or tuple(n.meta["val"].shape) != shape:
+            return True
+    return False
+
+
 def module_of_error(error: BaseException, model: torch.nn.Module) -> str:
     """` in module FQN (file:line)`: the innermost frame of the error's traceback that runs a
     method of one of the model's modules, so a refusal names the model's code, not only the op."""
@@ -89,7 +123,8 @@ def module_of_error(error: BaseException, model: torch.nn.Module) -> str:
         owner = tb.tb_frame.f_locals.get("self")
         if id(owner) in fqn_of:
             code = tb.tb_frame.f_code
-            found = f" in module {fqn_of[id(owner)]} ({type(owner).__name__}.{code.co_name}, {code.co_filename}:{tb.tb_lineno})"
+            where = f"{code.co_filename}:{tb.tb_lineno}"
+            found = f" in module {fqn_of[id(owner)]} ({type(owner).__name__}.{code.co_name}, {where})"
         tb = tb.tb_next
     return found
 
@@ -180,7 +215,9 @@ class ConstantValues(TorchDispatchMode):
                 real_kwargs["device"] = torch.device("cpu")
             with _disable_current_modes():
                 real_out = func(*real_args, **real_kwargs)
-            for o, r in zip(outs, [x for x in pytree.tree_leaves(real_out) if isinstance(x, torch.Tensor)], strict=True):
+            for o, r in zip(
+                outs, [x for x in pytree.tree_leaves(real_out) if isinstance(x, torch.Tensor)], strict=True
+            ):
                 self.real[o] = r
         elif func._schema.is_mutable:
             self._forget_written(func, args, kwargs)
@@ -192,7 +229,12 @@ class ConstantValues(TorchDispatchMode):
         written = []
         for i, a in enumerate(func._schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(a.name)
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(value, torch.Tensor) and value in self.real:
+            if (
+                a.alias_info is not None
+                and a.alias_info.is_write
+                and isinstance(value, torch.Tensor)
+                and value in self.real
+            ):
                 written.append(self.real[value].untyped_storage().data_ptr())
         if written:
             for t in [t for t, r in self.real.items() if r.untyped_storage().data_ptr() in written]:
@@ -213,8 +255,6 @@ def install_cpu_float_grouped_mm() -> None:
     op = getattr(torch.ops.aten, "_grouped_mm", None)
     if _GROUPED_MM_INSTALLED or op is None:
         return
-    from torch._subclasses import fake_impls
-    from torch._subclasses.fake_tensor import FakeTensor
 
     def rule(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         if mat_a.device.type != "cpu" or mat_a.dtype == torch.bfloat16 or bias is not None:
@@ -222,7 +262,9 @@ def install_cpu_float_grouped_mm() -> None:
         if mat_a.dim() == 2:
             size = [offs.size(0), mat_a.size(0), mat_b.size(1)] if mat_b.dim() == 2 else [mat_a.size(0), mat_b.size(-1)]
         else:
-            size = [mat_a.size(1), mat_b.size(1)] if mat_b.dim() == 2 else [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+            size = (
+                [mat_a.size(1), mat_b.size(1)] if mat_b.dim() == 2 else [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+            )
         return FakeTensor(fake_mode, torch.empty(size, dtype=out_dtype or mat_a.dtype, device="meta"), mat_a.device)
 
     fake_impls.op_implementations_checks.insert(0, (lambda func: func is op.default, rule))

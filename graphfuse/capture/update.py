@@ -20,17 +20,27 @@ from graphfuse.ir.program import PassRun, Program
 from graphfuse.strategy import Strategy
 
 
-def capture_update(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, strategy: Strategy) -> Program:
+def capture_update(
+    params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, strategy: Strategy
+) -> Program:
     """Trace the optimizer update alone: inputs are parameters, their gradients, states and
     host scalars; outputs the new parameters and states (the fusion passes then shard it)."""
     optim = gopt.describe_optimizer(optimizer, {id(p): n for n, p in params.items()})
     group_of = optim.group_of()
     trainable = [n for n in params if n in group_of]
     order = [n for spec in optim.groups for n in spec.params]
-    inputs = [(sig.InputSpec(sig.PARAM, n), params[n]) for n in trainable]
+    inputs: list[tuple[sig.InputSpec, torch.Tensor]] = [(sig.InputSpec(sig.PARAM, n), params[n]) for n in trainable]
     inputs += [(sig.InputSpec(sig.GRAD, f"{n}.grad"), params[n]) for n in trainable]
-    inputs += [(sig.InputSpec(sig.STATE, f"{n}.{s}"), params[n]) for n in trainable for s in optim.groups[group_of[n]].state_names]
-    inputs += [(sig.InputSpec(sig.SCALAR, f"group{g}.{s}"), scalar_example(s)) for g, spec in enumerate(optim.groups) for s in spec.scalar_names]
+    inputs += [
+        (sig.InputSpec(sig.STATE, f"{n}.{s}"), params[n])
+        for n in trainable
+        for s in optim.groups[group_of[n]].state_names
+    ]
+    inputs += [
+        (sig.InputSpec(sig.SCALAR, f"group{g}.{s}"), scalar_example(s))
+        for g, spec in enumerate(optim.groups)
+        for s in spec.scalar_names
+    ]
     specs, examples = [s for s, _ in inputs], [t for _, t in inputs]
     index = {s.name: i for i, s in enumerate(specs)}
     updates = [update_function(spec) for spec in optim.groups]
@@ -50,7 +60,11 @@ def capture_update(params: dict[str, torch.nn.Parameter], optimizer: torch.optim
     gm = make_fx_exact(update, tracing_mode="fake")(*fake_examples(mode, specs, examples))
     placeholders = name_placeholders(gm.graph, specs)
     outputs = [sig.OutputSpec(sig.NEW_PARAM, n, n) for n in order]
-    outputs += [sig.OutputSpec(sig.NEW_STATE, f"{n}.{s}", f"{n}.{s}") for n in order for s in optim.groups[group_of[n]].state_names]
+    outputs += [
+        sig.OutputSpec(sig.NEW_STATE, f"{n}.{s}", f"{n}.{s}")
+        for n in order
+        for s in optim.groups[group_of[n]].state_names
+    ]
     out = gm.graph.output_node()
     out.args = (tuple(out.args[0][0]) + tuple(out.args[0][1]),)
     for n in gm.graph.nodes:

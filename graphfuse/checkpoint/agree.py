@@ -3,9 +3,10 @@ agreement itself, `Exchange`, is graphfuse/ranks.py: gf.compile's start uses it 
 
 from __future__ import annotations
 
+from graphfuse.checkpoint.training_state import TrainingState
 from graphfuse.ranks import Exchange
 
 
-def exchange(dm, timeout: float | None) -> Exchange:
+def exchange(dm: TrainingState, timeout: float | None) -> Exchange:
     """The exchange among `dm`'s ranks."""
-    return Exchange(dm.group, dm.rank, dm.world_size, getattr(dm, "group_name", ""), timeout)
+    return Exchange(dm.group, dm.rank, dm.world_size, dm.group_name, timeout)

@@ -8,11 +8,13 @@ import weakref
 
 import torch
 
+from graphfuse.checkpoint.training_state import TrainingState
+
 _held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DistModel -> {checkpoint key: tensor}
 PREFIX = "optim.state."
 
 
-def frozen_fqns(dm) -> list[str]:
+def frozen_fqns(dm: TrainingState) -> list[str]:
     """The optimizer's parameters that the compiled step does not train (requires_grad=False)."""
     fqn = {id(p): n for n, p in dm.model.named_parameters()}
     trained = set(dm.layout.fqns) | set(dm.program.signature.aliases)
@@ -20,7 +22,7 @@ def frozen_fqns(dm) -> list[str]:
     return [n for n in names if n is not None and n not in trained]
 
 
-def group_params(dm, groups: tuple[tuple[str, ...], ...]) -> list[list[str]]:
+def group_params(dm: TrainingState, groups: tuple[tuple[str, ...], ...]) -> list[list[str]]:
     """Every param group's FQNs as torch.optim lists them: the trained ones (`groups`), then the frozen."""
     frozen = set(frozen_fqns(dm))
     fqn = {id(p): n for n, p in dm.model.named_parameters()}
@@ -30,30 +32,30 @@ def group_params(dm, groups: tuple[tuple[str, ...], ...]) -> list[list[str]]:
     ]
 
 
-def keys(dm, available) -> list[str]:
+def keys(dm: TrainingState, available) -> list[str]:
     """The keys among `available` that hold state of a frozen parameter."""
     frozen = set(frozen_fqns(dm))
     return [k for k in available if k.startswith(PREFIX) and k[len(PREFIX) :].rsplit(".", 1)[0] in frozen]
 
 
-def held(dm) -> dict[str, torch.Tensor]:
+def held(dm: TrainingState) -> dict[str, torch.Tensor]:
     """{"optim.state.<fqn>.<state>": tensor} carried by `dm` since its last load."""
     return _held.get(dm, {})
 
 
-def hold(dm, values: dict[str, torch.Tensor]) -> None:
+def hold(dm: TrainingState, values: dict[str, torch.Tensor]) -> None:
     """Carry `values` (read by a load that succeeded on every rank) in place of the previous ones."""
     _held[dm] = dict(values)
 
 
-def add_to(sd: dict, dm) -> None:
+def add_to(sd: dict, dm: TrainingState) -> None:
     """Put the carried states into state dict `sd` under optim.state.<fqn>.<state>."""
     for key, value in held(dm).items():
         fqn, name = key[len(PREFIX) :].rsplit(".", 1)
         sd["optim"]["state"].setdefault(fqn, {})[name] = value
 
 
-def step_of_group(dm, g: int, read, has) -> list[float]:
+def step_of_group(dm: TrainingState, g: int, read, has) -> list[float]:
     """The carried step states of group `g`'s frozen parameters (read with `read`)."""
     frozen = set(frozen_fqns(dm))
     fqn = {id(p): n for n, p in dm.model.named_parameters()}

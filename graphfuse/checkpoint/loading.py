@@ -28,6 +28,7 @@ from graphfuse.checkpoint.storage import (
     read_dcp_metadata,
     tensor_md,
 )
+from graphfuse.checkpoint.training_state import TrainingState, expect_training_state
 from graphfuse.errors import CheckpointError, CheckpointMismatchError
 from graphfuse.ir.state_plan import Piece, StatePlan
 from graphfuse.ranks import FAILURES, describe
@@ -51,10 +52,11 @@ class _Checked:
     groups: list[dict] | None
 
 
-def load(dm, path: str | os.PathLike, timeout: float | None = None):
+def load(dm: TrainingState, path: str | os.PathLike, timeout: float | None = None):
     """Load the checkpoint at `path` into `dm` in place and return the `extra` it was saved
     with. A graphfuse checkpoint of either mode, or a plain DCP checkpoint of {"model",
     "optim"} from get_state_dict. Nothing changes unless every rank validated and read all of it."""
+    expect_training_state(dm, "gf.load")
     join(dm)
     ex, p = exchange(dm, timeout), state.plan(dm)
     error, checked = None, None
@@ -79,7 +81,7 @@ def load(dm, path: str | os.PathLike, timeout: float | None = None):
     return checked.extra
 
 
-def _validate(dm, p: StatePlan, where: Path) -> _Checked:
+def _validate(dm: TrainingState, p: StatePlan, where: Path) -> _Checked:
     seen = {META_FILE: identity(where / META_FILE)} if (where / META_FILE).exists() else {}
     rec = record.read(where)
     md = read_dcp_metadata(where, rec.files.get(DCP_META) if rec else None)
@@ -92,7 +94,13 @@ def _validate(dm, p: StatePlan, where: Path) -> _Checked:
         entry = tensor_md(md, key, where)
         state.check_tensor(key, target, tuple(entry.size), entry.properties.dtype, name)
     small: dict = {k: torch.zeros(tuple(tensor_md(md, k, where).size)) for k in state.step_keys(p)}
-    small.update({k: torch.zeros(tuple(tensor_md(md, k, where).size)) for k in state.carried_keys(dm, p) if k in md.state_dict_metadata})
+    small.update(
+        {
+            k: torch.zeros(tuple(tensor_md(md, k, where).size))
+            for k in state.carried_keys(dm, p)
+            if k in md.state_dict_metadata
+        }
+    )
     if rec is None:  # a plain checkpoint's param groups are in the data, read with the steps
         small.update({k: None for k in md.state_dict_metadata if k.startswith("optim.param_groups.")})
     frozen = {}
@@ -111,7 +119,7 @@ def _stage(target):
     return torch.empty_like(target)
 
 
-def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict], list[dict]]:
+def _read(dm: TrainingState, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict], list[dict]]:
     """Read every target into a staging copy and check what only the data can tell: the
     steps, what they carried (ASGD's eta), a plain checkpoint's param groups, and that no
     file changed while it was read."""
@@ -129,7 +137,12 @@ def _read(dm, p: StatePlan, c: _Checked) -> tuple[list, list[int], list[dict], l
     name = str(c.where)
     has = c.md.state_dict_metadata.__contains__
     steps = state.steps_of(
-        p, c.record, lambda k: into[k].item(), has, name, lambda g: carried.step_of_group(dm, g, lambda k: into[k].item(), has)
+        p,
+        c.record,
+        lambda k: into[k].item(),
+        has,
+        name,
+        lambda g: carried.step_of_group(dm, g, lambda k: into[k].item(), has),
     )
     groups = c.groups
     if groups is None:

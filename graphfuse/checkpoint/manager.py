@@ -20,6 +20,7 @@ from graphfuse.checkpoint import directory, record
 from graphfuse.checkpoint.agree import exchange
 from graphfuse.checkpoint.loading import load
 from graphfuse.checkpoint.saving import SaveHandle, join, save
+from graphfuse.checkpoint.training_state import TrainingState, expect_training_state
 from graphfuse.errors import CheckpointError
 from graphfuse.ranks import FAILURES
 
@@ -127,7 +128,8 @@ def _warn_of_a_shared_store() -> None:
         log.warning(
             "graphfuse: torchrun runs this job with --max-restarts %d on a store shared across restarts; a restarted "
             "job may read the killed one's keys: launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-            "(README: Resuming after a lost rank)", restarts,
+            "(README: Resuming after a lost rank)",
+            restarts,
         )
 
 
@@ -147,7 +149,7 @@ class Checkpointer:
     def __init__(
         self,
         root: str | os.PathLike,
-        dm,
+        dm: TrainingState,
         scheduler=None,
         *,
         every: int = 1,
@@ -163,10 +165,12 @@ class Checkpointer:
                 raise CheckpointError(f"Checkpointer({str(root)!r}): {name} must be a whole number >= 1, got {value!r}")
         if data is not None and not (hasattr(data, "state_dict") and hasattr(data, "load_state_dict")):
             raise CheckpointError(
-                f"Checkpointer({str(root)!r}): data must have state_dict() and load_state_dict() (a stateful sampler or "
+                f"Checkpointer({str(root)!r}): data must have state_dict() and load_state_dict() (a stateful "
+                f"sampler or "
                 f"data loader), got {type(data).__name__}; pass the step as the data position instead"
             )
-        self.root, self.dm, self.scheduler, self.data = Path(root).absolute(), dm, scheduler, data
+        self.root, self.scheduler, self.data = Path(root).absolute(), scheduler, data
+        self.dm = expect_training_state(dm, f"Checkpointer({str(root)!r})")
         self.every, self.keep, self.async_, self.rng, self.mode, self.timeout = every, keep, async_, rng, mode, timeout
         self.extra = None  # this rank's `extra` of the checkpoint load_latest loaded
         self._handle: SaveHandle | None = None
@@ -251,7 +255,10 @@ class Checkpointer:
         try:
             saved = load(self.dm, where, self.timeout)
         except CheckpointError as e:
-            e.add_note(f"graphfuse: {where} is the newest complete checkpoint in {self.root}; move it away to resume from the one before")
+            e.add_note(
+                f"graphfuse: {where} is the newest complete checkpoint in {self.root}; move it away to resume "
+                f"from the one before"
+            )
             raise
         self._restore(saved, step, where)
         return step
@@ -259,17 +266,23 @@ class Checkpointer:
     def _restore(self, saved, step: int, where: Path) -> None:
         if not isinstance(saved, dict) or saved.get("checkpointer") != FORMAT or saved.get("step") != step:
             raise CheckpointError(
-                f"{where}: its extra.pt is not a Checkpointer's of step {step}; load it with gf.load, or move it out of {self.root}"
+                f"{where}: its extra.pt is not a Checkpointer's of step {step}; load it with gf.load, or move "
+                f"it out of {self.root}"
             )
         if self.scheduler is not None:
             if saved["scheduler"] is None:
-                raise CheckpointError(f"{where}: saved without an LR scheduler; build the Checkpointer as the job that saved it did")
+                raise CheckpointError(
+                    f"{where}: saved without an LR scheduler; build the Checkpointer as the job that saved it did"
+                )
             self.scheduler.load_state_dict(saved["scheduler"])
         ranks = saved["ranks"]
         if len(ranks) != self.dm.world_size:
             log.warning(
                 "graphfuse: %s was saved by %d ranks, this job has %d: each rank's random generators, data position "
-                "and extra are not restored", where, len(ranks), self.dm.world_size,
+                "and extra are not restored",
+                where,
+                len(ranks),
+                self.dm.world_size,
             )
             self.extra = None
             return

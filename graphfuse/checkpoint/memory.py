@@ -19,6 +19,7 @@ from graphfuse.checkpoint.state import (
     targets,
 )
 from graphfuse.checkpoint.storage import Chunks
+from graphfuse.checkpoint.training_state import TrainingState
 from graphfuse.errors import CheckpointError, CheckpointMismatchError
 
 
@@ -59,7 +60,7 @@ def _pairs(key: str, target, source, where: str) -> list[tuple[torch.Tensor, tor
     return out
 
 
-def load_state_dict(dm, sd: dict) -> None:
+def load_state_dict(dm: TrainingState, sd: dict) -> None:
     """Copy `sd` (from state_dict, or a plain {"model", "optim"} of full tensors) into the
     live buffers, after validating every key, shape, dtype, step and the layout."""
     where, p = "state dict", plan(dm)
@@ -92,7 +93,14 @@ def load_state_dict(dm, sd: dict) -> None:
                 f"{where}: a chunk of shape {tuple(src.shape)} cannot fill one of {tuple(dst.shape)}"
             )
     frozen = {k: get(k).clone() for k in carried.keys(dm, _flat_optim_keys(sd))}
-    steps = steps_of(p, record, lambda k: get(k).item(), has, where, lambda g: carried.step_of_group(dm, g, lambda k: get(k).item(), has))
+    steps = steps_of(
+        p,
+        record,
+        lambda k: get(k).item(),
+        has,
+        where,
+        lambda g: carried.step_of_group(dm, g, lambda k: get(k).item(), has),
+    )
     saved_groups = record.param_groups if record else (_lookup(sd, ("optim", "param_groups")) or [])
     groups = check_groups(dm, p, saved_groups, where)
     carry = carried_of(dm, p, steps, groups, lambda k: get(k).item(), has, where)

@@ -8,8 +8,10 @@ import json
 import math
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -120,7 +122,7 @@ def _file(v, what: str) -> dict:
     return rec
 
 
-_FIELDS = {
+_FIELDS: dict[str, Callable[[object, str], Any]] = {  # field -> its checker, which returns the value
     "format": lambda v, w: _int(v, w, 1),
     "mode": lambda v, w: _choice(v, w, MODES),
     "world_size": lambda v, w: _int(v, w, 1),

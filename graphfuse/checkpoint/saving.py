@@ -34,11 +34,14 @@ from graphfuse.checkpoint.storage import (
     read_dcp_metadata,
     verify_files,
 )
+from graphfuse.checkpoint.training_state import TrainingState, expect_training_state
 from graphfuse.errors import CheckpointError
 from graphfuse.ranks import FAILURES, Exchange, describe, hold
 
 _pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DistModel -> its SaveHandle in flight
-_side_groups: dict[tuple[int, ...], Callable] = {}  # ranks -> weak handle (ranks.hold) on their group for background saves
+_side_groups: dict[
+    tuple[int, ...], Callable
+] = {}  # ranks -> weak handle (ranks.hold) on their group for background saves
 
 
 class SaveHandle:
@@ -68,7 +71,7 @@ class SaveHandle:
             raise error
 
 
-def join(dm) -> None:
+def join(dm: TrainingState) -> None:
     """Wait for the saves in flight before `dm` meets the other ranks outside its step: its own
     (its error is raised here, once), and every other model's, which share the side group of
     their ranks and, on the same group, the exchange's sequence; those keep their errors for
@@ -107,13 +110,19 @@ def _copy(value):
 
 
 def save(
-    dm, path: str | os.PathLike, mode: str | None = None, extra=None, timeout: float | None = None, async_: bool = False
+    dm: TrainingState,
+    path: str | os.PathLike,
+    mode: str | None = None,
+    extra=None,
+    timeout: float | None = None,
+    async_: bool = False,
 ) -> SaveHandle | None:
     """Save `dm` to directory `path`; `extra` is the caller's plain data (e.g. {"scheduler":
     sched.state_dict()}), returned by `load`. A failure on any rank raises the same
     CheckpointError on all ranks, each waiting at most `timeout` seconds for the others.
     `async_=True`: the state is copied to host memory, the files are written by a background
     thread, and a `SaveHandle` is returned (its `wait()` raises a failure)."""
+    expect_training_state(dm, "gf.save")
     join(dm)
     ex, final = exchange(dm, timeout), Path(path).absolute()
     tmp, old = directory.siblings(final)
@@ -151,7 +160,7 @@ def save(
     return None
 
 
-def _side_group(dm):
+def _side_group(dm: TrainingState):
     """A process group of the same ranks for background saves, so that their collectives
     never interleave with the training step's on `dm.group`. One per set of ranks, shared by
     every model on them (join lets one background save run at a time): torch names a group made
@@ -169,7 +178,9 @@ def _side_group(dm):
     return group
 
 
-def _publish_unlock(dm, ex: Exchange, group, sd: dict, rec: Record, tmp: Path, final: Path, blob, save_id) -> None:
+def _publish_unlock(
+    dm: TrainingState, ex: Exchange, group, sd: dict, rec: Record, tmp: Path, final: Path, blob, save_id
+) -> None:
     try:
         _write_and_publish(dm, ex, group, sd, rec, tmp, final, blob, save_id)
     finally:
@@ -177,7 +188,9 @@ def _publish_unlock(dm, ex: Exchange, group, sd: dict, rec: Record, tmp: Path, f
             directory.release(final, save_id)
 
 
-def _write_and_publish(dm, ex: Exchange, group, sd: dict, rec: Record, tmp: Path, final: Path, blob, save_id) -> None:
+def _write_and_publish(
+    dm: TrainingState, ex: Exchange, group, sd: dict, rec: Record, tmp: Path, final: Path, blob, save_id
+) -> None:
     error, records = None, None
     try:
         writer = dcp.FileSystemWriter(str(tmp), thread_count=1, sync_files=True)

@@ -13,6 +13,7 @@ from graphfuse.checkpoint import carried
 from graphfuse.checkpoint.plan import plan_of
 from graphfuse.checkpoint.record import FORMAT, MODES, Record
 from graphfuse.checkpoint.storage import Chunks
+from graphfuse.checkpoint.training_state import TrainingState
 from graphfuse.errors import CheckpointError, CheckpointMismatchError, UnsupportedError
 from graphfuse.ir import signature as sig
 from graphfuse.ir.state_plan import MASTER, Piece, StatePlan
@@ -22,19 +23,19 @@ SCHEDULER_KEYS = {"initial_lr"}  # hyper-parameters torch's LR schedulers add to
 
 
 # ---- the plan, executed -------------------------------------------------------------
-def plan(dm) -> StatePlan:
+def plan(dm: TrainingState) -> StatePlan:
     p = dm.program.state_plan
     return p if p is not None else plan_of(dm.program)  # a program saved before the serializer pass
 
 
-def mode_of(dm, mode: str | None) -> str:
+def mode_of(dm: TrainingState, mode: str | None) -> str:
     mode = mode or dm.strategy.checkpoint_mode
     if mode not in MODES:
         raise CheckpointError(f"checkpoint mode {mode!r} is not one of {MODES}")
     return mode
 
 
-def view(dm, p: Piece) -> torch.Tensor:
+def view(dm: TrainingState, p: Piece) -> torch.Tensor:
     return dm.tensors[p.tensor][p.start : p.stop].view(p.sizes)
 
 
@@ -45,7 +46,7 @@ def _by_key(pieces: Iterable[Piece]) -> dict[tuple[str, ...], list[Piece]]:
     return out
 
 
-def _value(dm, pieces: list[Piece]) -> torch.Tensor | Chunks:
+def _value(dm: TrainingState, pieces: list[Piece]) -> torch.Tensor | Chunks:
     """A plain view when this rank holds the whole tensor, else its chunks."""
     p = pieces[0]
     if len(pieces) == 1 and p.sizes == p.shape:
@@ -59,7 +60,7 @@ def _set(d: dict, path: tuple[str, ...], value) -> None:
     d[path[-1]] = value
 
 
-def _other_model_entries(dm) -> dict[str, torch.Tensor]:
+def _other_model_entries(dm: TrainingState) -> dict[str, torch.Tensor]:
     """Frozen parameters and persistent buffers: whole on every rank, saved as plain tensors."""
     planned = set(dm.layout.fqns) | set(dm.program.signature.aliases)
     return {k: v.detach() for k, v in dm.model.state_dict().items() if k not in planned}
@@ -73,13 +74,16 @@ def _jsonable(v):
     return v
 
 
-def _param_groups(dm, p: StatePlan) -> list[dict]:
+def _param_groups(dm: TrainingState, p: StatePlan) -> list[dict]:
     """optim.param_groups as get_state_dict lays them out: hyper-parameters and FQNs (frozen too)."""
     params = carried.group_params(dm, p.groups)
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": params[i]} for i, g in enumerate(dm.optimizer.param_groups)]
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": params[i]}
+        for i, g in enumerate(dm.optimizer.param_groups)
+    ]
 
 
-def saved_steps(dm, p: StatePlan) -> list[int]:
+def saved_steps(dm: TrainingState, p: StatePlan) -> list[int]:
     """Each group's step counter to save: a group that trains nothing keeps its frozen
     parameters' carried step (its own counter runs on with nothing to count)."""
     held = carried.held(dm)
@@ -91,7 +95,9 @@ def saved_steps(dm, p: StatePlan) -> list[int]:
     return steps
 
 
-def record_of(dm, p: StatePlan, mode: str, files: dict | None = None, save_id: str | None = None) -> Record:
+def record_of(
+    dm: TrainingState, p: StatePlan, mode: str, files: dict | None = None, save_id: str | None = None
+) -> Record:
     program = dm.program
     return Record(
         format=FORMAT,
@@ -107,20 +113,22 @@ def record_of(dm, p: StatePlan, mode: str, files: dict | None = None, save_id: s
         param_groups=[{k: _jsonable(v) for k, v in g.items()} for g in _param_groups(dm, p)],
         files=files or {},
         torch=str(torch.__version__),  # a plain str: torch.load(weights_only=True) refuses TorchVersion
-        optimizer=type(dm.optimizer).__name__,
+        optimizer=dm.program.optim.cls_name,  # the class, or "Muon+AdamW" for several optimizers
         save_id=save_id,
     )
 
 
-def _whole_weights(dm, p: StatePlan) -> dict[str, torch.Tensor]:
+def _whole_weights(dm: TrainingState, p: StatePlan) -> dict[str, torch.Tensor]:
     """Every trained parameter whole, as a view of its bucket (tied names too): every rank holds
     all the weights, so an in-memory state dict loads into any rank of any world size."""
     whole = {q.path[1]: view(dm, q) for q in p.loaded("balanced") if q.path[0] == "model"}
-    whole.update({alias: whole[canonical] for alias, canonical in dm.program.signature.aliases.items() if canonical in whole})
+    whole.update(
+        {alias: whole[canonical] for alias, canonical in dm.program.signature.aliases.items() if canonical in whole}
+    )
     return whole
 
 
-def state_dict(dm, mode: str | None = None, *, whole_weights: bool = False) -> dict:
+def state_dict(dm: TrainingState, mode: str | None = None, *, whole_weights: bool = False) -> dict:
     """This rank's training state in `mode`, as views of the live buffers (no copy).
 
     balanced: {"model", "optim"} as get_state_dict lays them out, a tensor this rank holds
@@ -145,14 +153,16 @@ def state_dict(dm, mode: str | None = None, *, whole_weights: bool = False) -> d
         lr = float(dm.optimizer.param_groups[g]["lr"])
         host = torch_host_states(dm.program.optim.groups[g], dm.steps[g], dm.carried[g], lr)
         for fqn in p.groups[g]:
-            sd["optim"]["state"].setdefault(fqn, {}).update(step=torch.tensor(float(dm.steps[g])), **{k: v.clone() for k, v in host.items()})
+            sd["optim"]["state"].setdefault(fqn, {}).update(
+                step=torch.tensor(float(dm.steps[g])), **{k: v.clone() for k, v in host.items()}
+            )
     sd["optim"]["param_groups"] = _param_groups(dm, p)
     sd["graphfuse"] = dataclasses.asdict(record_of(dm, p, mode))
     return sd
 
 
 # ---- validation, shared by both loads -----------------------------------------------
-def check_layout(dm, p: StatePlan, record: Record, where: str) -> None:
+def check_layout(dm: TrainingState, p: StatePlan, record: Record, where: str) -> None:
     """An unbalanced checkpoint fits only the world size and layout it was saved with."""
     if record.mode != "unbalanced":
         return
@@ -176,7 +186,7 @@ def check_layout(dm, p: StatePlan, record: Record, where: str) -> None:
         )
 
 
-def targets(dm, p: StatePlan, mode: str, has: Callable) -> tuple[dict, list[tuple[Piece, Piece]]]:
+def targets(dm: TrainingState, p: StatePlan, mode: str, has: Callable) -> tuple[dict, list[tuple[Piece, Piece]]]:
     """{checkpoint key: live tensor or Chunks} to fill, and the master shards to derive from
     the weights because the checkpoint has none (one saved without master weights)."""
     out: dict = {}
@@ -207,8 +217,8 @@ def check_tensor(key: str, target, shape: tuple, dtype: torch.dtype, where: str)
         raise CheckpointMismatchError(f"{where}: key {key!r} has dtype {dtype}, this model expects {target.dtype}")
 
 
-def check_optimizer(dm, record: Record | None, where: str) -> None:
-    live = type(dm.optimizer).__name__
+def check_optimizer(dm: TrainingState, record: Record | None, where: str) -> None:
+    live = dm.program.optim.cls_name
     if record is not None and record.optimizer is not None and record.optimizer != live:
         raise CheckpointMismatchError(
             f"{where}: saved from a {record.optimizer} optimizer, this one is {live}; "
@@ -216,11 +226,11 @@ def check_optimizer(dm, record: Record | None, where: str) -> None:
         )
 
 
-def check_groups(dm, p: StatePlan, saved: list[dict], where: str) -> list[dict]:
+def check_groups(dm: TrainingState, p: StatePlan, saved: list[dict], where: str) -> list[dict]:
     """The hyper-parameters to restore into optimizer.param_groups, refused (before anything
     changes) when the groups hold other parameters, name hyper-parameters this optimizer
     lacks (another optimizer's checkpoint), or change a value traced into the graph."""
-    live = type(dm.optimizer).__name__
+    live = dm.program.optim.cls_name
     if len(saved) != len(dm.optimizer.param_groups):
         raise CheckpointMismatchError(
             f"{where}: {len(saved)} param groups saved, the optimizer has {len(dm.optimizer.param_groups)}"
@@ -280,13 +290,17 @@ def steps_of(
     return steps
 
 
-def carried_keys(dm, p: StatePlan) -> list[str]:
+def carried_keys(dm: TrainingState, p: StatePlan) -> list[str]:
     """The per-parameter states that hold what the last step carried (ASGD's `eta`)."""
     specs = dm.program.optim.groups
-    return [f"optim.state.{fqn}.{name}" for g in p.step_groups for name in specs[g].carried_names for fqn in p.groups[g]]
+    return [
+        f"optim.state.{fqn}.{name}" for g in p.step_groups for name in specs[g].carried_names for fqn in p.groups[g]
+    ]
 
 
-def carried_of(dm, p: StatePlan, steps: list[int], groups: list[dict], read: Callable, has: Callable, where: str) -> list[dict]:
+def carried_of(
+    dm: TrainingState, p: StatePlan, steps: list[int], groups: list[dict], read: Callable, has: Callable, where: str
+) -> list[dict]:
     """What each group's last step carried to the next (ASGD's eta), one value per group, read
     from its parameters' states. A checkpoint without them (ASGD saved by a graphfuse that
     refused lr changes, so at a constant lr) derives them from the restored lr, as that run did."""
@@ -312,7 +326,9 @@ def carried_of(dm, p: StatePlan, steps: list[int], groups: list[dict], read: Cal
     return out
 
 
-def apply(dm, derived: list[tuple[Piece, Piece]], steps: list[int], groups: list[dict], carried: list[dict]) -> None:
+def apply(
+    dm: TrainingState, derived: list[tuple[Piece, Piece]], steps: list[int], groups: list[dict], carried: list[dict]
+) -> None:
     with torch.no_grad():
         for master, weight in derived:
             view(dm, master).copy_(view(dm, weight))

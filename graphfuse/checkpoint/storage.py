@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -65,7 +65,7 @@ class Chunks:
         for off, _, view in self.chunks:
             if torch.Size(off) == index.offset:
                 return view
-        raise ValueError(f"no chunk of {index.fqn} at {tuple(index.offset)}")
+        raise ValueError(f"no chunk of {index.fqn} at {tuple(index.offset or ())}")
 
 
 # A rank's in-memory state dict holds Chunks: torch.save of it must load back with torch.load's
@@ -207,9 +207,10 @@ class VerifiedReader(FileSystemReader):
         self._md = md
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        if getattr(self._md, "storage_meta", None) is None:
-            self._md.storage_meta = StorageMeta()
-        self._md.storage_meta.load_id = self.load_id
+        meta = getattr(self._md, "storage_meta", None)
+        if meta is None:
+            meta = self._md.storage_meta = StorageMeta()
+        meta.load_id = self.load_id
         return self._md
 
 
@@ -223,11 +224,10 @@ def tensor_md(md: Metadata, key: str, path: Path) -> TensorStorageMetadata:
 
 
 # ---- calling DCP -------------------------------------------------------------------------
-try:  # DCP's core: its public save/load warn on every single-process call, even when told no_dist
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
-except ImportError:  # another torch: the public calls (and their warning) still work
-    _save_state_dict = _load_state_dict = None
+# DCP's core: its public save/load warn on every single-process call, even when told no_dist;
+# a torch without these private functions gets the public calls (and their warning)
+_save_state_dict = getattr(state_dict_saver, "_save_state_dict", None)
+_load_state_dict = getattr(state_dict_loader, "_load_state_dict", None)
 
 
 def dcp_save(sd: dict, writer, planner, group, single: bool) -> None:

@@ -11,6 +11,7 @@ import traceback
 from importlib import metadata
 
 from graphfuse.cli.args import CliFailure, UsageError, add_demo_arguments, add_trace_arguments
+from graphfuse.errors import GraphfuseError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `cat` in `cat big | head`
@@ -47,15 +48,20 @@ def _version() -> str:
 
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="on an error, print the traceback too")
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too"
+    )
     return common
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = _Parser(prog="graphfuse", description=f"{__doc__}\n\n{EXIT_STATUS}", parents=[common],
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="graphfuse",
+        description=f"{__doc__}\n\n{EXIT_STATUS}",
+        parents=[common],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -64,22 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         return p
 
-    add_trace_arguments(command("trace", "capture FACTORY's training step and save the rewritten program of each rank", _trace))
-    insp = command("inspect", "a program's or a checkpoint's buckets, collectives, memory and passes", _inspect)
-    insp.add_argument("path", help="a program directory, a `graphfuse trace` output, or a checkpoint")
-    insp.add_argument("--rank", type=int, default=None, help="which rank's program of a trace output (default 0)")
-    insp.add_argument("--code", action="store_true", help="print the program as valid Python with shapes instead")
-    insp.add_argument("--no-verify", action="store_true", help="checkpoints: skip the size and checksum checks")
-    insp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_trace_arguments(
+        command("trace", "capture FACTORY's training step and save the rewritten program of each rank", _trace)
+    )
+    _inspect_arguments(
+        command("inspect", "a program's or a checkpoint's buckets, collectives, memory and passes", _inspect)
+    )
+    _report_arguments(command("report", "an HTML page (SVG pictures and tables) of a program or trace output", _report))
 
-    rep = command("report", "an HTML page (SVG pictures and tables) of a program or trace output", _report)
-    rep.add_argument("path", help="a program directory or a `graphfuse trace` output")
-    rep.add_argument("--out", required=True, help="the file to write")
-    rep.add_argument("--rank", type=int, default=None, help="which rank's program of a trace output (default 0)")
-    rep.add_argument("--format", choices=("html", "svg", "png"), default="html",
-                     help="html: the whole page; svg or png: the bucket layout picture alone (png needs graphfuse[png])")
-
-    add_demo_arguments(command("demo", "train a small GPT on CPU ranks with graphfuse, save and reload both checkpoint modes", _demo))
+    add_demo_arguments(
+        command("demo", "train a small GPT on CPU ranks with graphfuse, save and reload both checkpoint modes", _demo)
+    )
 
     ckpt = command("ckpt", "inspect or convert a checkpoint", None)
     ck = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="COMMAND")
@@ -101,7 +102,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Commands import their modules when they run, so that `--help` and usage errors need no torch.
+def _inspect_arguments(insp: argparse.ArgumentParser) -> None:
+    insp.add_argument("path", help="a program directory, a `graphfuse trace` output, or a checkpoint")
+    insp.add_argument("--rank", type=int, default=None, help="which rank's program of a trace output (default 0)")
+    insp.add_argument("--code", action="store_true", help="print the program as valid Python with shapes instead")
+    insp.add_argument("--no-verify", action="store_true", help="checkpoints: skip the size and checksum checks")
+    insp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    insp.add_argument(
+        "--graph",
+        metavar="FILE",
+        default=None,
+        help="programs: write the dataflow graph (FX nodes and the values between them) to FILE, "
+        "GraphML (.graphml) or DOT (.dot) by its suffix, instead of printing",
+    )
+
+
+def _report_arguments(rep: argparse.ArgumentParser) -> None:
+    rep.add_argument("path", help="a program directory or a `graphfuse trace` output")
+    rep.add_argument("--out", required=True, help="the file to write")
+    rep.add_argument("--rank", type=int, default=None, help="which rank's program of a trace output (default 0)")
+    rep.add_argument(
+        "--format",
+        choices=("html", "svg", "png"),
+        default="html",
+        help="html: the whole page; svg or png: the bucket layout picture alone (png needs graphfuse[png])",
+    )
+
+
+# Commands import their own modules (trace's models, the demo's ranks, rich tables) when they run,
+# so that `--help` and usage errors skip them.
 def _trace(args) -> int:
     from graphfuse.cli.trace import run_trace
 
@@ -143,7 +172,9 @@ def _program_info(args) -> int:
     if args.json:
         from graphfuse.cli.inspect import run_inspect
 
-        return run_inspect(argparse.Namespace(path=args.path, rank=None, code=False, no_verify=False, json=True))
+        return run_inspect(
+            argparse.Namespace(path=args.path, rank=None, code=False, no_verify=False, json=True, graph=None)
+        )
     from graphfuse.cli.program_info import cli_info
 
     return cli_info(args.path, code=args.code)
@@ -155,8 +186,6 @@ def _one_line(e: BaseException) -> str:
 
 def _exit_status(e: Exception) -> tuple[int, str]:
     """The exit status of an error and its one line."""
-    from graphfuse.errors import GraphfuseError
-
     if isinstance(e, UsageError):  # the command line: a path that is not there, a wrong option
         return EXIT_USAGE, _one_line(e)
     if isinstance(e, CliFailure | GraphfuseError):  # the command ran and failed: a damaged file, a refused model

@@ -58,7 +58,8 @@ def _d_model(text: str) -> int:
     value = _int_at_least(DEMO_HEADS)(text)
     if value % DEMO_HEADS:
         raise argparse.ArgumentTypeError(
-            f"must be a multiple of {DEMO_HEADS} (the demo's attention heads), got {value}; try {value - value % DEMO_HEADS or DEMO_HEADS}"
+            f"must be a multiple of {DEMO_HEADS} (the demo's attention heads), got {value}; try "
+            f"{value - value % DEMO_HEADS or DEMO_HEADS}"
         )
     return value
 
@@ -68,27 +69,50 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=_int_at_least(1), default=2, help="transformer blocks")
     p.add_argument("--d-model", type=_d_model, default=64, help=f"embedding width, a multiple of {DEMO_HEADS}")
     p.add_argument("--bucket-mb", type=_positive_float, default=0.25, help="bucket size cap in MiB (> 0)")
-    p.add_argument("--steps", type=_int_at_least(2, " (half are replayed after a checkpoint)"), default=30,
-                   help="training steps (>= 2)")
+    p.add_argument(
+        "--steps",
+        type=_int_at_least(2, " (half are replayed after a checkpoint)"),
+        default=30,
+        help="training steps (>= 2)",
+    )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu, or cuda (one GPU per rank, NCCL)")
     p.add_argument("--compile", default="eager", choices=("eager", "inductor"), help="how the program runs")
-    p.add_argument("--out", default=None, help="keep the checkpoints in this directory (default: a temporary one, removed at the end)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="keep the checkpoints in this directory (default: a temporary one, removed at the end)",
+    )
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("factory", metavar="FILE.py:FACTORY",
-                   help="a function in FILE.py returning (model, optimizer, loss_fn, example_batch)")
-    p.add_argument("--out", required=True, help="directory to write: rank<R>/ (one program per rank) and trace.json; "
-                   "an earlier trace there is replaced, other files are left alone")
+    p.add_argument(
+        "factory",
+        metavar="FILE.py:FACTORY",
+        help="a function in FILE.py returning (model, optimizer, loss_fn, example_batch)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="directory to write: rank<R>/ (one program per rank) and trace.json; "
+        "an earlier trace there is replaced, other files are left alone",
+    )
     p.add_argument("--world-size", type=_int_at_least(1), default=1, help="ranks to plan for (no process group needed)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--rank", type=_int_at_least(0), default=None, help="save only this rank's program (default 0)")
     which.add_argument("--all-ranks", action="store_true", help="save every rank's program")
-    p.add_argument("--bucket-mb", type=_positive_float, default=None, help="Strategy.bucket_size_mb (default: the Strategy's)")
+    p.add_argument(
+        "--bucket-mb", type=_positive_float, default=None, help="Strategy.bucket_size_mb (default: the Strategy's)"
+    )
     p.add_argument("--align-bytes", type=_int_at_least(1), default=None, help="Strategy.align_bytes")
-    p.add_argument("--no-overlap", action="store_true", help="Strategy(overlap=False): wait for each collective at once")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                   help="resolve the Strategy's 'auto' settings for this backend (default: gloo on CPU, nccl on CUDA)")
+    p.add_argument(
+        "--no-overlap", action="store_true", help="Strategy(overlap=False): wait for each collective at once"
+    )
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="resolve the Strategy's 'auto' settings for this backend (default: gloo on CPU, nccl on CUDA)",
+    )
     p.add_argument("--json", action="store_true", help="print what was written as one JSON object")
 
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from graphfuse.checkpoint import convert, directory, record
 from graphfuse.checkpoint.storage import DCP_META, crc32, read_dcp_metadata
-from graphfuse.cli.args import CliFailure, UsageError, existing, kind_of
+from graphfuse.cli.args import CliFailure, UsageError, existing, kind_of, wide_console
 from graphfuse.cli.facts import bucket_facts, owners_text
 
 
@@ -42,8 +42,16 @@ def file_checks(where: Path, md: Metadata, rec: record.Record | None, verify: bo
             damage = f"{size:,} bytes, but DCP's index reads up to byte {needed[name]:,} (cut short)"
         elif verify and want is not None and crc32(f) != want["crc32"]:
             damage = "CRC-32 differs from the recorded one (altered)"
-        out.append({"file": name, "bytes": size, "expected_bytes": expected, "crc32_recorded": want is not None,
-                    "checked": verify, "damage": damage})
+        out.append(
+            {
+                "file": name,
+                "bytes": size,
+                "expected_bytes": expected,
+                "crc32_recorded": want is not None,
+                "checked": verify,
+                "damage": damage,
+            }
+        )
     return out
 
 
@@ -66,14 +74,25 @@ def checkpoint_facts(path: str, verify: bool = True) -> dict:
     tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     layout = rec.bucket_layout() if rec else None
     return {
-        "kind": "checkpoint", "path": str(where),
+        "kind": "checkpoint",
+        "path": str(where),
         "mode": rec.mode if rec else "balanced (plain torch.distributed.checkpoint, no graphfuse.json)",
-        "world_size": rec.world_size if rec else None, "fingerprint": rec.fingerprint if rec else None,
-        "steps": rec.steps if rec else None, "optimizer": rec.optimizer if rec else None,
+        "world_size": rec.world_size if rec else None,
+        "fingerprint": rec.fingerprint if rec else None,
+        "steps": rec.steps if rec else None,
+        "optimizer": rec.optimizer if rec else None,
         "layout": None if layout is None else {"align_bytes": layout.align_bytes, "bucket_bytes": layout.bucket_bytes},
         "buckets": bucket_facts(layout) if layout else [],
-        "tensors": [{"key": k, "shape": list(v.size), "dtype": str(v.properties.dtype).removeprefix("torch."),
-                     "chunks": len(v.chunks), "bytes": _nbytes(v)} for k, v in tensors.items()],
+        "tensors": [
+            {
+                "key": k,
+                "shape": list(v.size),
+                "dtype": str(v.properties.dtype).removeprefix("torch."),
+                "chunks": len(v.chunks),
+                "bytes": _nbytes(v),
+            }
+            for k, v in tensors.items()
+        ],
         "other_entries": len(md.state_dict_metadata) - len(tensors),
         "files": file_checks(where, md, rec, verify),
         "verified": verify,
@@ -86,8 +105,11 @@ def _head(f: dict) -> Table:
     head.add_row("world size", str(f["world_size"] or "-"))
     head.add_row("layout fingerprint", f["fingerprint"] or "-")
     if f["layout"]:
-        head.add_row("buckets", f"{len(f['buckets'])} (cap {f['layout']['bucket_bytes'] / 2**20:g} MiB, "
-                                f"align {f['layout']['align_bytes']} B)")
+        head.add_row(
+            "buckets",
+            f"{len(f['buckets'])} (cap {f['layout']['bucket_bytes'] / 2**20:g} MiB, "
+            f"align {f['layout']['align_bytes']} B)",
+        )
         head.add_row("steps", str(f["steps"]))
         head.add_row("optimizer", str(f["optimizer"] or "-"))
     head.add_row("tensors", str(len(f["tensors"])))
@@ -109,20 +131,22 @@ def _tables(f: dict) -> list[Table]:
         params.add_column(col, justify="right" if col in ("offset", "elements", "padding") else "left", no_wrap=True)
     for b in f["buckets"]:
         for p in b["params"]:
-            params.add_row(b["name"], p["fqn"], f"{p['offset']:,}", f"{p['elements']:,}", f"{p['padding']:,}", owners_text(p))
+            params.add_row(
+                b["name"], p["fqn"], f"{p['offset']:,}", f"{p['elements']:,}", f"{p['padding']:,}", owners_text(p)
+            )
     files = Table(title="files" + ("" if f["verified"] else " (not verified: --no-verify)"), title_justify="left")
     for col in ("file", "bytes", "state"):
         files.add_column(col, justify="right" if col == "bytes" else "left", no_wrap=True)
     for x in f["files"]:
-        state = x["damage"] or ("ok (size and CRC-32)" if x["crc32_recorded"] and x["checked"] else "ok (size)" if x["checked"] else "-")
+        state = x["damage"] or (
+            "ok (size and CRC-32)" if x["crc32_recorded"] and x["checked"] else "ok (size)" if x["checked"] else "-"
+        )
         files.add_row(x["file"], "-" if x["bytes"] is None else f"{x['bytes']:,}", state)
     return [tensors] + ([params] if f["buckets"] else []) + [files]
 
 
 def cli_info(path: str, verify: bool = True, as_json: bool = False) -> int:
     """Print a checkpoint's mode, world size, layout, tensors and files; 1 if a file is damaged."""
-    from graphfuse.cli.args import wide_console
-
     facts = checkpoint_facts(path, verify)
     damaged = [x for x in facts["files"] if x["damage"]]
     if as_json:
@@ -134,7 +158,9 @@ def cli_info(path: str, verify: bool = True, as_json: bool = False) -> int:
     if damaged:
         x = damaged[0]
         more = f" (and {len(damaged) - 1} more files)" if len(damaged) > 1 else ""
-        raise CliFailure(f"{Path(path) / x['file']}: {x['damage']}{more}; the checkpoint is damaged: restore it from a good copy")
+        raise CliFailure(
+            f"{Path(path) / x['file']}: {x['damage']}{more}; the checkpoint is damaged: restore it from a good copy"
+        )
     return 0
 
 

@@ -12,6 +12,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 import graphfuse as gf
 from graphfuse.cli.args import CliFailure
@@ -84,10 +87,13 @@ def _train(dm, sched, batches, on_step=None) -> tuple[list[float], list[float]]:
 def _train_with_bar(rank: int, dm, sched, batches) -> tuple[list[float], list[float]]:
     if rank != 0:
         return _train(dm, sched, batches)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, refresh_per_second=10) as bar:
         task = bar.add_task("train", total=len(batches), loss=float("nan"))
         return _train(dm, sched, batches, lambda i, loss: bar.update(task, advance=1, loss=loss))
@@ -138,10 +144,12 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, out_dir: str) ->
     losses, seconds = _train_with_bar(rank, dm, sched, batches)
     ckpt_results = _checkpoint_round_trips(rank, cfg, batches, device, warmup, strategy, losses, out_dir)
 
-    local_state = sum(t.numel() * t.element_size() for n, t in dm.tensors.items() if "." in n and n.startswith("bucket"))
-    states = [None] * world
+    local_state = sum(
+        t.numel() * t.element_size() for n, t in dm.tensors.items() if "." in n and n.startswith("bucket")
+    )
+    states: list[int] = [0] * world  # all_gather_object fills in every rank's
     dist.all_gather_object(states, local_state)
-    ckpt_ok = [None] * world
+    ckpt_ok: list[dict[str, bool]] = [{} for _ in range(world)]
     dist.all_gather_object(ckpt_ok, ckpt_results)
     if rank != 0:
         return None
@@ -168,21 +176,25 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, out_dir: str) ->
 
 
 def _report(r: dict) -> bool:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(soft_wrap=True)  # long lines stay whole in a pipe
-    console.print(f"[bold]graphfuse demo[/bold]: GPT with {r['params']:,} parameters on {r['world_size']} ranks ({r['device']})")
+    console.print(
+        f"[bold]graphfuse demo[/bold]: GPT with {r['params']:,} parameters on {r['world_size']} ranks ({r['device']})"
+    )
     first = "first step (inductor compiles in it)" if r["compile"] == "inductor" else "first step"
-    console.print(f"trace and rewrite {r['trace_s']:.2f} s; {first} {r['first_step_s']:.2f} s; "
-                  f"then {r['step_s'] * 1000:.1f} ms per step (mean of the other steps, compile excluded)")
+    console.print(
+        f"trace and rewrite {r['trace_s']:.2f} s; {first} {r['first_step_s']:.2f} s; "
+        f"then {r['step_s'] * 1000:.1f} ms per step (mean of the other steps, compile excluded)"
+    )
     t = Table(title="buckets (in the order backward fills them)")
     for col in ("bucket", "params", "elements", "dtype", "param group"):
         t.add_column(col)
     for row in r["buckets"]:
         t.add_row(*(str(x) for x in row))
     console.print(t)
-    console.print(f"collectives per step: {r['reduce_scatter']} reduce-scatter, {r['all_gather']} all-gather ({len(r['buckets'])} buckets)")
+    console.print(
+        f"collectives per step: {r['reduce_scatter']} reduce-scatter, {r['all_gather']} all-gather "
+        f"({len(r['buckets'])} buckets)"
+    )
     ratio = max(r["state_bytes"]) / r["unsharded_state_bytes"]
     console.print(
         f"optimizer state per rank: {max(r['state_bytes']):,} B vs {r['unsharded_state_bytes']:,} B unsharded "
@@ -199,7 +211,10 @@ def _report(r: dict) -> bool:
     console.print(t)
     console.print(f"loss curves: {'bitwise equal' if bitwise else f'max |diff| {max(diffs):.2e}'}")
     for mode, ok in r["checkpoints"].items():
-        console.print(f"checkpoint {mode}: save at step {steps // 2}, reload into a fresh model, resume: {'bitwise equal' if ok else 'DIFFERS'}")
+        console.print(
+            f"checkpoint {mode}: save at step {steps // 2}, reload into a fresh model, resume: "
+            f"{'bitwise equal' if ok else 'DIFFERS'}"
+        )
     return max(diffs) < 1e-4 and all(r["checkpoints"].values())
 
 
@@ -218,7 +233,7 @@ def _under_torchrun(args: argparse.Namespace) -> int:
     dist.init_process_group(backend)
     made = None
     try:
-        shared = [_out_dir(args) if dist.get_rank() == 0 else None]
+        shared = [_out_dir(args) if dist.get_rank() == 0 else ("", False)]
         dist.broadcast_object_list(shared, src=0)  # every rank writes the same checkpoint
         out_dir, temporary = shared[0]
         made = out_dir if temporary and dist.get_rank() == 0 else None
@@ -236,7 +251,10 @@ def _finish(result: dict, out_dir: str, temporary: bool) -> bool:
     if temporary:
         print(f"checkpoints were written to {out_dir} and removed (keep them with --out DIR)")
     else:
-        print(f"checkpoints written to {os.path.join(out_dir, 'ckpt-unbalanced')} and {os.path.join(out_dir, 'ckpt-balanced')}")
+        print(
+            f"checkpoints written to {os.path.join(out_dir, 'ckpt-unbalanced')} and "
+            f"{os.path.join(out_dir, 'ckpt-balanced')}"
+        )
     return ok
 
 
@@ -252,7 +270,10 @@ def run_demo(args: argparse.Namespace) -> int:
     backend = "nccl" if args.device == "cuda" else "gloo"
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
     out_dir, temporary = _out_dir(args)
-    print(f"graphfuse demo: starting {args.world_size} ranks ({backend}, {args.device}); checkpoints go to {out_dir}", flush=True)
+    print(
+        f"graphfuse demo: starting {args.world_size} ranks ({backend}, {args.device}); checkpoints go to {out_dir}",
+        flush=True,
+    )
     try:
         results = run_ranks(_rank_main, args.world_size, args, out_dir, backend=backend, threads=threads, timeout=3600)
     except RankFailure as e:

@@ -8,8 +8,10 @@ from collections import Counter
 
 import torch.fx
 
+from graphfuse.capture.tracing import reads_whole
 from graphfuse.ir import signature as sig
 from graphfuse.ir.layout import BucketLayout, itemsize
+from graphfuse.ir.ownership import newton_schulz_cost
 from graphfuse.ir.program import Program
 from graphfuse.passes import issues_collective
 
@@ -24,18 +26,60 @@ def bucket_facts(layout: BucketLayout) -> list[dict]:
         params = []
         for slot in b.slots:
             per_rank = [
-                {"rank": r, "shard": list(s.shard_range), "param": list(s.param_range), "bucket": list(b.bucket_range(r, s))}
-                for r in range(layout.world_size) if (s := slices[r].get(slot.fqn)) is not None
+                {
+                    "rank": r,
+                    "shard": list(s.shard_range),
+                    "param": list(s.param_range),
+                    "bucket": list(b.bucket_range(r, s)),
+                }
+                for r in range(layout.world_size)
+                if (s := slices[r].get(slot.fqn)) is not None
             ]
-            params.append({
-                "fqn": slot.fqn, "shape": list(slot.shape), "offset": slot.offset, "elements": slot.numel,
-                "padding": slot.padding, "owners": [x["rank"] for x in per_rank], "slices": per_rank,
-            })
-        out.append({
-            "name": b.name, "dtype": b.dtype, "device": b.device, "group": b.group, "elements": b.size,
-            "bytes": b.nbytes, "shard_elements": b.shard_size, "padding": sum(s.padding for s in b.slots),
-            "params": params,
-        })
+            params.append(
+                {
+                    "fqn": slot.fqn,
+                    "shape": list(slot.shape),
+                    "offset": slot.offset,
+                    "elements": slot.numel,
+                    "padding": slot.padding,
+                    "owners": [x["rank"] for x in per_rank],
+                    "slices": per_rank,
+                }
+            )
+        out.append(
+            {
+                "name": b.name,
+                "dtype": b.dtype,
+                "device": b.device,
+                "group": b.group,
+                "elements": b.size,
+                "bytes": b.nbytes,
+                "shard_elements": b.shard_size,
+                "padding": sum(s.padding for s in b.slots),
+                "params": params,
+            }
+        )
+    return out
+
+
+def ownership_facts(program: Program) -> list[dict]:
+    """Per bucket whose update reads its parameters whole (Muon's), per rank: the parameters it
+    owns, their update cost (m·n·min(m, n) per Newton-Schulz step) and its shard's padding."""
+    out = []
+    for b in program.bucket_layout.buckets:
+        if not reads_whole(program.optim.groups[b.group]):
+            continue
+        for r in range(b.world_size):
+            owned = [s.fqn for s in b.slices(r)]
+            out.append(
+                {
+                    "bucket": b.name,
+                    "rank": r,
+                    "params": owned,
+                    "cost": sum(newton_schulz_cost(b.slot(f).shape) for f in owned),
+                    "padding": b.shard_size - sum(b.slot(f).numel for f in owned),
+                }
+            )
     return out
 
 
@@ -48,7 +92,7 @@ def _payload(node: torch.fx.Node) -> tuple[int | None, int]:
     """(elements of the whole bucket-sized tensor the collective moves, its item size)."""
     val = node.meta.get("val")
     size = itemsize(str(val.dtype).removeprefix("torch.")) if isinstance(val, torch.Tensor) else 0
-    op = str(node.target._overloadpacket)
+    op = str(getattr(node.target, "_overloadpacket", node.target))  # an OpOverload's packet names the op
     if "all_gather" in op:
         return _numel(node), size
     first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
@@ -69,17 +113,26 @@ def collective_facts(program: Program) -> list[dict]:
             continue
         op = str(n.target._overloadpacket).removeprefix("_c10d_functional.")
         elements, size = _payload(n)
-        bucket = next((b.name for b in buckets if b.size == elements and b.name not in taken.setdefault(op, set())), None)
+        bucket = next(
+            (b.name for b in buckets if b.size == elements and b.name not in taken.setdefault(op, set())), None
+        )
         if bucket is not None:
             taken[op].add(bucket)
         waits = [u for u in n.users if str(u.target).startswith(WAIT)]
         waited = order[waits[0]] if waits else None
-        out.append({
-            "op": op, "node": n.name, "bucket": bucket, "elements": elements,
-            "bytes": elements * size if elements is not None else None,
-            "issued": order[n], "waited": waited,
-            "issued_at": round(order[n] / total, 4), "waited_at": None if waited is None else round(waited / total, 4),
-        })
+        out.append(
+            {
+                "op": op,
+                "node": n.name,
+                "bucket": bucket,
+                "elements": elements,
+                "bytes": elements * size if elements is not None else None,
+                "issued": order[n],
+                "waited": waited,
+                "issued_at": round(order[n] / total, 4),
+                "waited_at": None if waited is None else round(waited / total, 4),
+            }
+        )
     return out
 
 
@@ -93,7 +146,7 @@ def _nbytes(meta) -> int:
 def memory_facts(program: Program) -> list[dict]:
     """Bytes each rank holds of parameters, gradients and optimizer state, against unsharded
     (every rank holding everything). Every rank's shards are the same size (the layout pads)."""
-    layout, inputs = program.layout, program.signature.inputs
+    layout, inputs = program.bucket_layout, program.signature.inputs
     params = sum(b.nbytes for b in layout.buckets)
     unpadded = sum(s.numel * itemsize(b.dtype) for b in layout.buckets for s in b.slots)
     shards = [s for s in inputs if s.role == sig.SHARD]  # "bucket<b>.<state>", in the state's own dtype
@@ -102,9 +155,13 @@ def memory_facts(program: Program) -> list[dict]:
     unsharded_state = sum(data[s.name.split(".", 1)[0]] * itemsize(program.inputs_meta[s.name].dtype) for s in shards)
     grads_kept = sum(b.shard_size * itemsize(b.dtype) for b in layout.buckets)
     row = {
-        "params": params, "params_unsharded": unpadded,
-        "grads": params, "grads_after_reduce_scatter": grads_kept, "grads_unsharded": unpadded,
-        "optimizer_state": state, "optimizer_state_unsharded": unsharded_state,
+        "params": params,
+        "params_unsharded": unpadded,
+        "grads": params,
+        "grads_after_reduce_scatter": grads_kept,
+        "grads_unsharded": unpadded,
+        "optimizer_state": state,
+        "optimizer_state_unsharded": unsharded_state,
     }
     return [{"rank": r, **row} for r in range(layout.world_size)]
 
@@ -128,15 +185,28 @@ def pass_facts(program: Program, stats: list[dict] | None) -> list[dict]:
 def program_facts(program: Program, path: str, trace_rank: dict | None = None) -> dict:
     """Everything inspect prints about `program`, JSON-ready."""
     after = Counter(p for p in node_phases(program) if p not in ("input", "output"))
-    s = program.strategy
+    s, layout = program.strategy, program.bucket_layout
     return {
-        "kind": "program", "path": path, "rank": program.rank, "world_size": program.world_size,
-        "group_name": program.group_name, "optimizer": program.optim.cls_name, "strategy": s.to_json(),
-        "nodes": {"before_passes": trace_rank.get("captured_nodes") if trace_rank else None,
-                  "after_passes": dict(after), "total": sum(1 for _ in program.graph.nodes)},
-        "layout": {"fingerprint": program.layout.fingerprint, "world_size": program.layout.world_size,
-                   "align_bytes": program.layout.align_bytes, "bucket_bytes": program.layout.bucket_bytes},
-        "buckets": bucket_facts(program.layout),
+        "kind": "program",
+        "path": path,
+        "rank": program.rank,
+        "world_size": program.world_size,
+        "group_name": program.group_name,
+        "optimizer": program.optim.cls_name,
+        "strategy": s.to_json(),
+        "nodes": {
+            "before_passes": trace_rank.get("captured_nodes") if trace_rank else None,
+            "after_passes": dict(after),
+            "total": sum(1 for _ in program.graph.nodes),
+        },
+        "layout": {
+            "fingerprint": layout.fingerprint,
+            "world_size": layout.world_size,
+            "align_bytes": layout.align_bytes,
+            "bucket_bytes": layout.bucket_bytes,
+        },
+        "buckets": bucket_facts(layout),
+        "ownership": ownership_facts(program),
         "collectives": collective_facts(program),
         "memory": memory_facts(program),
         "passes": pass_facts(program, trace_rank.get("passes") if trace_rank else None),
@@ -150,4 +220,3 @@ def owners_text(p: dict) -> str:
 def slices_text(p: dict) -> str:
     """`r0 [a, b) r1 [c, d)`: each owner's elements of the parameter (flat, in the parameter)."""
     return " ".join(f"r{x['rank']} [{x['param'][0]}, {x['param'][1]})" for x in p["slices"])
-

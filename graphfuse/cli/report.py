@@ -32,10 +32,12 @@ def render_html(facts: dict, phases: list[str]) -> str:
 
 
 def write_png(svg: str, out: Path) -> None:
-    try:
+    try:  # optional (the png extra), so imported only for --format png
         import cairosvg
     except (ImportError, OSError) as e:  # OSError: cairosvg installed but the cairo library missing
-        raise UsageError(f"--format png needs cairosvg ({type(e).__name__}: {e}); {PNG_EXTRA}, or use --format svg") from None
+        raise UsageError(
+            f"--format png needs cairosvg ({type(e).__name__}: {e}); {PNG_EXTRA}, or use --format svg"
+        ) from None
     cairosvg.svg2png(bytestring=svg.encode(), write_to=str(out), output_width=None, scale=2.0)
 
 

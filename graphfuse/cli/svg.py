@@ -8,13 +8,26 @@ import colorsys
 import hashlib
 from xml.sax.saxutils import escape, quoteattr
 
-PHASE_COLOURS = {"input": "#d9d9d9", "forward": "#4e79a7", "backward": "#f28e2b", "optimizer": "#59a14f",
-                 "comm": "#e15759", "output": "#bab0ac", "other": "#9c755f"}
-SHORT_OPS = {"reduce_scatter_tensor": "reduce-scatter", "all_gather_into_tensor": "all-gather", "all_reduce": "all-reduce"}
+PHASE_COLOURS = {
+    "input": "#d9d9d9",
+    "forward": "#4e79a7",
+    "backward": "#f28e2b",
+    "optimizer": "#59a14f",
+    "comm": "#e15759",
+    "output": "#bab0ac",
+    "other": "#9c755f",
+}
+SHORT_OPS = {
+    "reduce_scatter_tensor": "reduce-scatter",
+    "all_gather_into_tensor": "all-gather",
+    "all_reduce": "all-reduce",
+}
 SHARD_W, ROW_H, GAP, LABEL_W, TOP = 260, 26, 12, 170, 34
-HATCH = ('<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
-         '<rect width="6" height="6" fill="#ffffff"/><line x1="0" y1="0" x2="0" y2="6" stroke="#999999" stroke-width="2"/>'
-         '</pattern></defs>')
+HATCH = (
+    '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+    '<rect width="6" height="6" fill="#ffffff"/><line x1="0" y1="0" x2="0" y2="6" stroke="#999999" stroke-width="2"/>'
+    "</pattern></defs>"
+)
 
 
 def colour(fqn: str) -> str:
@@ -49,8 +62,10 @@ def _shard(bucket: dict, rank: int, x0: float, y: float) -> str:
         what = f"padding after {fqn}" if padding else fqn
         tip = f"{what}: {bucket['name']} elements [{a}, {b}), {b - a} elements in rank {rank}'s shard"
         cls = "padding" if padding else "param"
-        parts.append(f'<rect class="{cls}" data-fqn={quoteattr(fqn)} x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW_H - 6}" '
-                     f'fill="{fill}" stroke="#ffffff" stroke-width="0.5"><title>{escape(tip)}</title></rect>')
+        parts.append(
+            f'<rect class="{cls}" data-fqn={quoteattr(fqn)} x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW_H - 6}" '
+            f'fill="{fill}" stroke="#ffffff" stroke-width="0.5"><title>{escape(tip)}</title></rect>'
+        )
         name = ".".join(fqn.split(".")[-2:])
         if not padding and w > 6.5 * len(name) + 6:  # the name fits: show it without hovering
             parts.append(_text(x + 3, y + 14, name, size=10, extra=' pointer-events="none"'))
@@ -63,9 +78,12 @@ def layout_svg(facts: dict) -> str:
     world, buckets = facts["world_size"], facts["buckets"]
     width = LABEL_W + world * (SHARD_W + GAP)
     height = TOP + len(buckets) * ROW_H + 8
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="layout" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="sans-serif">', HATCH,
-           f'<rect width="{width}" height="{height}" fill="#ffffff"/>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="layout" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif">',
+        HATCH,
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+    ]
     for r in range(world):
         x = LABEL_W + r * (SHARD_W + GAP)
         out.append(_text(x + SHARD_W / 2, 20, f"rank {r}'s shard", "middle", 13, ' class="column"'))
@@ -91,24 +109,33 @@ def schedule_svg(phases: list[str], collectives: list[dict], width: int = 1000) 
     def x(i: float) -> float:
         return left + width * i / n
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="schedule" width="{total_w}" height="{height}" '
-           f'viewBox="0 0 {total_w} {height}" font-family="sans-serif">']
-    for j, (phase, c) in enumerate(PHASE_COLOURS.items()):
-        out.append(f'<rect x="{left + j * 120}" y="6" width="12" height="12" fill="{c}"/>')
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="schedule" width="{total_w}" height="{height}" '
+        f'viewBox="0 0 {total_w} {height}" font-family="sans-serif">'
+    ]
+    for j, (phase, colour) in enumerate(PHASE_COLOURS.items()):
+        out.append(f'<rect x="{left + j * 120}" y="6" width="12" height="12" fill="{colour}"/>')
         out.append(_text(left + j * 120 + 16, 16, phase))
     out.append(_text(4, 40 + bar_h / 2, f"ops in order ({len(phases)})"))
     for i, phase in enumerate(phases):
-        out.append(f'<rect class="op" x="{x(i):.2f}" y="30" width="{max(width / n, 0.6):.2f}" height="{bar_h}" '
-                   f'fill="{PHASE_COLOURS.get(phase, PHASE_COLOURS["other"])}"><title>node {i}: {escape(phase)}</title></rect>')
+        out.append(
+            f'<rect class="op" x="{x(i):.2f}" y="30" width="{max(width / n, 0.6):.2f}" height="{bar_h}" '
+            f'fill="{PHASE_COLOURS.get(phase, PHASE_COLOURS["other"])}"><title>node {i}: {escape(phase)}</title></rect>'
+        )
     for k, c in enumerate(collectives):
         y = 30 + bar_h + 10 + k * lane_h
         end = c["waited"] if c["waited"] is not None else c["issued"]
         label = f"{SHORT_OPS.get(c['op'], c['op'])} {c['bucket'] or ''}".strip()
-        tip = (f"{c['op']} {c['bucket'] or ''}: {c['bytes'] or '?'} bytes, issued at node {c['issued']}, "
-               f"waited at node {c['waited']}")
+        tip = (
+            f"{c['op']} {c['bucket'] or ''}: {c['bytes'] or '?'} bytes, issued at node {c['issued']}, "
+            f"waited at node {c['waited']}"
+        )
         out.append(_text(left - 6, y + 9, label, "end", 10))
-        out.append(f'<g class="collective"><title>{escape(tip)}</title><rect x="{x(c["issued"]):.2f}" y="{y}" '
-                   f'width="{max(x(end + 1) - x(c["issued"]), 2):.2f}" height="{lane_h - 4}" fill="{PHASE_COLOURS["comm"]}"/></g>')
+        out.append(
+            f'<g class="collective"><title>{escape(tip)}</title><rect x="{x(c["issued"]):.2f}" y="{y}" '
+            f'width="{max(x(end + 1) - x(c["issued"]), 2):.2f}" height="{lane_h - 4}" '
+            f'fill="{PHASE_COLOURS["comm"]}"/></g>'
+        )
     out.append(_text(left, height - 6, "step start", size=10))
     out.append(_text(left + width, height - 6, "step end", "end", 10))
     out.append("</svg>")

@@ -41,12 +41,16 @@ def load_factory(spec: str):
         raise UsageError(f"{file}: no such file")
     sys.path.insert(0, str(path.resolve().parent))  # the factory's file may import its neighbours
     module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    if module_spec is None or module_spec.loader is None:
+        raise UsageError(f"{file}: Python cannot import it (expected a .py file)")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[path.stem] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
-        raise CliFailure(f"{file} raised {type(e).__name__} when imported: {e} (rerun with --debug for the traceback)") from e
+        raise CliFailure(
+            f"{file} raised {type(e).__name__} when imported: {e} (rerun with --debug for the traceback)"
+        ) from e
     factory = getattr(module, name, None)
     if not callable(factory):
         raise UsageError(f"{file} has no function {name}")
@@ -61,13 +65,25 @@ def call_factory(spec: str):
     except Exception as e:
         raise CliFailure(f"{spec} raised {type(e).__name__}: {e} (rerun with --debug for the traceback)") from e
     if not isinstance(made, tuple | list) or len(made) not in (4, 5):
-        raise UsageError(f"{spec} must return (model, optimizer, loss_fn, example_batch[, strategy]), got {type(made).__name__}")
+        raise UsageError(
+            f"{spec} must return (model, optimizer, loss_fn, example_batch[, strategy]), got {type(made).__name__}"
+        )
     model, optimizer, loss_fn, batch = made[:4]
     strategy = made[4] if len(made) == 5 else None
-    for ok, what in ((isinstance(model, torch.nn.Module), "model: a torch.nn.Module"),
-                     (isinstance(optimizer, torch.optim.Optimizer), "optimizer: a torch.optim.Optimizer"),
-                     (callable(loss_fn), "loss_fn: callable as loss_fn(model, batch)"),
-                     (strategy is None or isinstance(strategy, gf.Strategy), "strategy: a graphfuse.Strategy")):
+    for ok, what in (
+        (isinstance(model, torch.nn.Module), "model: a torch.nn.Module"),
+        (
+            isinstance(optimizer, torch.optim.Optimizer)
+            or (
+                isinstance(optimizer, list | tuple)
+                and optimizer
+                and all(isinstance(o, torch.optim.Optimizer) for o in optimizer)
+            ),
+            "optimizer: a torch.optim.Optimizer or a list of them",
+        ),
+        (callable(loss_fn), "loss_fn: callable as loss_fn(model, batch)"),
+        (strategy is None or isinstance(strategy, gf.Strategy), "strategy: a graphfuse.Strategy"),
+    ):
         if not ok:
             raise UsageError(f"{spec} returned a wrong {what.split(':')[0]}; it must be {what.split(': ')[1]}")
     return model, optimizer, loss_fn, batch, strategy
@@ -92,8 +108,8 @@ def phase_counts(program: Program) -> dict[str, int]:
     return dict(Counter(n.meta.get("phase", "other") for n in program.graph.nodes if n.op == "call_function"))
 
 
-def plan_rank(made, strategy: gf.Strategy, world_size: int, rank: int) -> tuple[Program, Program]:
-    """(the captured step, its rewrite for `rank` of `world_size`); each rank gets its own
+def plan_rank(made, strategy: gf.Strategy, world_size: int, rank: int) -> tuple[dict[str, int], Program]:
+    """(the captured step's node count per phase, its rewrite for `rank` of `world_size`); each rank gets its own
     capture because the passes edit the graph in place."""
     model, optimizer, loss_fn, batch, _ = made
     captured = capture(model, optimizer, loss_fn, batch, strategy)
@@ -105,7 +121,9 @@ def plan_rank(made, strategy: gf.Strategy, world_size: int, rank: int) -> tuple[
 
 def run_trace(args) -> int:
     if args.rank is not None and args.rank >= args.world_size:
-        raise UsageError(f"--rank {args.rank} is not a rank of --world-size {args.world_size} (0 to {args.world_size - 1})")
+        raise UsageError(
+            f"--rank {args.rank} is not a rank of --world-size {args.world_size} (0 to {args.world_size - 1})"
+        )
     out = Path(args.out)
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / TRACE_FILE).is_file())):
         raise UsageError(f"{out}: exists and is not an earlier trace output; choose another --out or remove it")
@@ -116,8 +134,13 @@ def run_trace(args) -> int:
     made = call_factory(args.factory)
     device = next(made[0].parameters(), torch.empty(0)).device.type
     strategy = strategy_for(args, made[4], device)
-    record = {"format": TRACE_FORMAT, "factory": args.factory, "world_size": args.world_size,
-              "strategy": strategy.to_json(), "ranks": {}}
+    record = {
+        "format": TRACE_FORMAT,
+        "factory": args.factory,
+        "world_size": args.world_size,
+        "strategy": strategy.to_json(),
+        "ranks": {},
+    }
     for rank in ranks:
         t0 = time.perf_counter()
         say(f"capturing and rewriting rank {rank} of {args.world_size}...")
@@ -131,8 +154,10 @@ def run_trace(args) -> int:
             "passes": [dataclasses.asdict(p) for p in program.passes],
             "seconds": round(time.perf_counter() - t0, 3),
         }
-        say(f"wrote {out / f'rank{rank}'} ({sum(1 for _ in program.graph.nodes)} nodes, "
-            f"{len(program.layout.buckets)} buckets)")
+        say(
+            f"wrote {out / f'rank{rank}'} ({sum(1 for _ in program.graph.nodes)} nodes, "
+            f"{len(program.bucket_layout.buckets)} buckets)"
+        )
     write_record(out, record)
     if args.json:
         print(json.dumps({"out": str(out), "ranks": ranks, "programs": [str(out / f"rank{r}") for r in ranks]}))
@@ -151,7 +176,9 @@ def earlier_programs(out: Path) -> list[Path]:
         try:
             PROGRAM_DIR.check_replaceable(d)
         except GraphfuseError as e:
-            raise UsageError(f"{e} (a new trace into {out} replaces its rank<R>/ programs; nothing was written)") from None
+            raise UsageError(
+                f"{e} (a new trace into {out} replaces its rank<R>/ programs; nothing was written)"
+            ) from None
     return found
 
 
@@ -183,6 +210,10 @@ def read_trace(directory: Path) -> dict | None:
         record = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"{f}: unreadable ({e}); trace the model again") from None
-    if not isinstance(record, dict) or record.get("format") != TRACE_FORMAT or not isinstance(record.get("ranks"), dict):
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != TRACE_FORMAT
+        or not isinstance(record.get("ranks"), dict)
+    ):
         raise UsageError(f"{f}: not a trace record of this graphfuse; trace the model again")
     return record

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from graphfuse.errors import GraphfuseError, UnsupportedError
+from graphfuse.errors import UnsupportedError
 from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program
 from graphfuse.strategy import Strategy
@@ -68,7 +68,9 @@ def start(strategy: Strategy, model: torch.nn.Module, world_size: int, backend: 
             devices.add(t.device)
     if len(devices) != 1:
         where = sorted(map(str, devices)) or "no device (the model has no parameters)"
-        raise UnsupportedError(f"Strategy(cuda_graphs=True) needs the model on one CUDA device, found {where}; {WAY_OUT}")
+        raise UnsupportedError(
+            f"Strategy(cuda_graphs=True) needs the model on one CUDA device, found {where}; {WAY_OUT}"
+        )
     return CudaGraphs(devices.pop())
 
 
@@ -100,12 +102,13 @@ class GraphedStep:
         self.addresses: list[int] = []
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
-        if self.graph is None:
+        graph = self.graph
+        if graph is None:
             self._check_on_device(args)
             if not self.warmed_up:
                 return self._warm_up(args)
-            self._capture(args)
-        return self._replay(args)
+            graph = self._capture(args)
+        return self._replay(graph, args)
 
     def _check_on_device(self, args: Sequence[torch.Tensor]) -> None:
         for name, a in zip(self.names, args):
@@ -129,7 +132,7 @@ class GraphedStep:
         self.warmed_up = True
         return outs
 
-    def _capture(self, args: Sequence[torch.Tensor]) -> None:
+    def _capture(self, args: Sequence[torch.Tensor]) -> torch.cuda.CUDAGraph:
         """Record one step into a graph; nothing executes, so a failure changes no state."""
         self.static_inputs = [torch.empty_like(args[i]) for i in self.per_call]
         captured = list(args)
@@ -139,7 +142,9 @@ class GraphedStep:
         try:
             # "thread_local": other threads' CUDA calls (an async checkpoint save, NCCL's
             # watchdog) stay legal while this thread captures.
-            with torch.cuda.graph(graph, pool=self.graphs.pool, stream=self.graphs.stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=self.graphs.pool, stream=self.graphs.stream, capture_error_mode="thread_local"
+            ):
                 outs = self.compiled(*captured)
         except Exception as e:
             raise UnsupportedError(
@@ -151,16 +156,17 @@ class GraphedStep:
         self.addresses = [args[i].data_ptr() for i in self.persistent]
         self.graphs.captured += 1
         log.info("graphfuse: captured the step in a CUDA graph in %.2f s", time.perf_counter() - t)
+        return graph
 
-    def _replay(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _replay(self, graph: torch.cuda.CUDAGraph, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         for i, address in zip(self.persistent, self.addresses):
             if args[i].data_ptr() != address:
-                raise GraphfuseError(
+                raise UnsupportedError(  # before the replay: the step changed nothing
                     f"Strategy(cuda_graphs=True): the step's CUDA graph reads {self.names[i]} where it was at capture, "
                     "but that tensor has moved (replaced instead of copied into); load state with gf.load or "
                     "DistModel.load_state_dict, which copy in place"
                 )
         for buf, i in zip(self.static_inputs, self.per_call):
             buf.copy_(args[i])
-        self.graph.replay()
+        graph.replay()
         return [out.clone() for out in self.static_outputs]

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from graphfuse.compiler.inductor import compile_graph
 from graphfuse.compiler.workers import Workers, compile_pieces
 from graphfuse.ir import signature as sig
-from graphfuse.ir.program import Program
+from graphfuse.ir.program import Program, output_nodes
 
 
 def in_place_graph(program: Program) -> torch.fx.GraphModule:
@@ -25,14 +26,18 @@ def in_place_graph(program: Program) -> torch.fx.GraphModule:
     graph = gm.graph
     inputs = {s.name: n for s, n in zip(program.signature.inputs, (n for n in graph.nodes if n.op == "placeholder"))}
     out = graph.output_node()
-    results = list(out.args[0])
+    results = output_nodes(graph)
     with graph.inserting_before(out):
         for spec, node in zip(program.signature.outputs, results):
+            if spec.target is None:  # returned, not written into an input
+                continue
             if spec.role == sig.NEW_BUCKET_SHARD:
-                bucket = next(b for b in program.layout.buckets if b.name == spec.target)
-                into = graph.call_function(torch.ops.aten.slice.Tensor, (inputs[spec.target], 0, *bucket.shard_range(program.rank)))
+                bucket = next(b for b in program.bucket_layout.buckets if b.name == spec.target)
+                into = graph.call_function(
+                    torch.ops.aten.slice.Tensor, (inputs[spec.target], 0, *bucket.shard_range(program.rank))
+                )
                 graph.call_function(torch.ops.aten.copy_.default, (into, node))
-            elif spec.target is not None:
+            else:
                 graph.call_function(torch.ops.aten.copy_.default, (inputs[spec.target], node))
     out.args = (tuple(r for s, r in zip(program.signature.outputs, results) if s.target is None),)
     gm.recompile()
@@ -48,10 +53,16 @@ def compile_in_place(program: Program, example_inputs: list[torch.Tensor], worke
     gm = in_place_graph(program)
     if workers is not None:
         return compile_pieces(program, gm, example_inputs, workers)
-    compiled = compile_graph(gm, example_inputs)
+    return InPlaceStep(compile_graph(gm, example_inputs))
 
-    def run(*args):
-        return compiled(*args)
 
-    run.writes_in_place = True
-    return run
+class InPlaceStep:
+    """A compiled step that writes new buckets and shards into its inputs and returns the rest."""
+
+    writes_in_place = True  # the executor reads it: no copy back into the inputs
+
+    def __init__(self, compiled: Callable) -> None:
+        self.compiled = compiled
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        return self.compiled(*args)

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from graphfuse.errors import ProgramFormatError, UnsupportedError
+
 # Inductor settings graphfuse overrides, and why. Each entry is a measured miscompile, not a
 # preference; remove it once the oldest supported torch no longer needs it.
 WORKAROUNDS: dict[str, object] = {
@@ -53,9 +55,32 @@ FIRST_STEP: dict[str, object] = {
 
 # torch's compile phases (`dynamo_timed`) that do not contain one another: where the time of a
 # compile goes, as graphfuse's log and tools/bench_startup.py give it.
-PHASES = ("bytecode_tracing", "aot_collect_metadata", "aot_trace_joint_graph", "_recursive_joint_graph_passes",
-          "min_cut_rematerialization_partition", "_recursive_post_grad_passes", "GraphLowering.run",
-          "Scheduler.__init__", "Scheduler.codegen", "async_compile.wait", "AOTAutogradCache.inductor_load")
+PHASES = (
+    "bytecode_tracing",
+    "aot_collect_metadata",
+    "aot_trace_joint_graph",
+    "_recursive_joint_graph_passes",
+    "min_cut_rematerialization_partition",
+    "_recursive_post_grad_passes",
+    "GraphLowering.run",
+    "Scheduler.__init__",
+    "Scheduler.codegen",
+    "async_compile.wait",
+    "AOTAutogradCache.inductor_load",
+)
+
+
+def use_inductor_defaults(*tables: str) -> None:
+    """Drop graphfuse's tables of inductor settings named ("COMPILE_SPEED", "FIRST_STEP") in this
+    process, so that inductor's own defaults apply: how tools/check_compile_speed.py and
+    tools/bench_first_step.py measure what each table is worth. WORKAROUNDS cannot be dropped."""
+    for name in tables:
+        if name not in ("COMPILE_SPEED", "FIRST_STEP"):
+            raise UnsupportedError(
+                f"use_inductor_defaults({name!r}): no such table of settings; "
+                "pass 'COMPILE_SPEED' or 'FIRST_STEP' (WORKAROUNDS fix miscompiles and stay)"
+            )
+        globals()[name] = {}  # compile_graph and compile_settings read the module's name at each call
 
 
 def phase_seconds() -> dict[str, float]:
@@ -63,6 +88,7 @@ def phase_seconds() -> dict[str, float]:
     lowering, scheduling, code generation, waiting for kernel builds), summed over every graph
     it compiled; empty where this torch does not keep them."""
     try:
+        # on first use: torch._dynamo comes with inductor, which `import graphfuse` never needs
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:
         return {}
@@ -89,11 +115,12 @@ def active_workarounds() -> dict[str, object]:
 
 def _known(settings: dict[str, object]) -> dict[str, object]:
     """The entries of `settings` that this torch's inductor config knows."""
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     import torch._inductor.config as config
 
     active = {}
     for key, value in settings.items():
-        owner = config
+        owner: object = config  # a config module, then its sub-config objects (None where absent)
         *path, leaf = key.split(".")
         for part in path:
             owner = getattr(owner, part, None)
@@ -109,6 +136,7 @@ def warm_workers() -> None:
     were compiled (or loaded from the cache) one by one in this process. No-op where the pool
     is not used (no Triton, compile_threads=1, TORCH_WARM_POOL=0)."""
     try:
+        # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
         from torch._inductor.async_compile import maybe_warm_pool
     except ImportError:  # a torch without it: the pool starts at the first compile, as before
         return
@@ -120,6 +148,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) 
     program graphfuse built, its COMPILE_SPEED and FIRST_STEP settings), in a tracing
     context whose fake mode has a ShapeEnv: without one inductor bypasses its FX graph cache
     ("No shape env"), so every start, also from a program file, compiled from scratch."""
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     import torch._inductor.config as config
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
@@ -128,14 +157,25 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) 
 
     if TracingContext.try_get() is not None:  # called by dynamo (the "graphfuse" backend): it has one
         with config.patch(active_workarounds()), same_keys_in_every_process():
-            return compile_fx(gm, example_inputs)
+            return _runnable(compile_fx(gm, example_inputs))
     settings = {**_known(COMPILE_SPEED), **_known(FIRST_STEP), **active_workarounds()}
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     # Fake inputs made here with static shapes, as dynamo hands a backend its inputs; real ones
     # would be fakified by AOTAutograd with symbolic shapes under the ShapeEnv.
     fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     with config.patch(settings), tracing(TracingContext(fake_mode)), same_keys_in_every_process():
-        return compile_fx(gm, fakes)
+        return _runnable(compile_fx(gm, fakes))
+
+
+def _runnable(compiled: object) -> Callable:
+    """compile_fx's result, which is a callable unless inductor is set to export (AOTInductor
+    returns file names): graphfuse needs the callable."""
+    if not callable(compiled):
+        raise UnsupportedError(
+            f"inductor returned {type(compiled).__name__} instead of a compiled function: graphfuse needs "
+            "torch._inductor.config.aot_inductor settings off (unset the AOTInductor mode before gf.compile)"
+        )
+    return compiled
 
 
 @contextlib.contextmanager
@@ -167,5 +207,8 @@ def memory_format(name: str) -> torch.memory_format:
     under `same_keys_in_every_process` loads as."""
     found = getattr(torch, name, None)
     if not isinstance(found, torch.memory_format):
-        raise ValueError(f"torch has no memory format named {name!r}")
+        raise ProgramFormatError(
+            f"torch has no memory format named {name!r} (a compile job pickled by another torch?); "
+            "run the compile workers with the same torch as the main process"
+        )
     return found

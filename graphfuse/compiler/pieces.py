@@ -89,12 +89,17 @@ def order(graph: torch.fx.Graph, free: set[torch.fx.Node]) -> list[torch.fx.Node
             key[n] = (*max((key[a] for a in n.all_input_nodes if a in key), default=(-1,)), 1, i)
         elif is_view(n) and n.args[0] in key:  # a view just after its base
             key[n] = (*key[n.args[0]], 0, i)
-        elif len(n.users) == 1 and next(iter(n.users)).target is torch.ops.aten.cat.default and any(a in key for a in n.all_input_nodes):
+        elif (
+            len(n.users) == 1
+            and next(iter(n.users)).target is torch.ops.aten.cat.default
+            and any(a in key for a in n.all_input_nodes)
+        ):
             key[n] = (*max(key[a] for a in n.all_input_nodes if a in key), 0, i)  # e.g. a bucket's padding
         elif n not in copies:
             key[n] = (i,)
     for i, c in enumerate(nodes):
         if c in copies:
+            # A hand walk over the views' users: it stops at the first non-view, which nx.descendants cannot.
             reads, seen, stack = [], set(), [input_root(c.args[0])]
             while stack:
                 for u in stack.pop().users:
@@ -109,6 +114,8 @@ def order(graph: torch.fx.Graph, free: set[torch.fx.Node]) -> list[torch.fx.Node
 
 def cuts(body: list[torch.fx.Node], k: int) -> list[int]:
     """Indices i of `body` after which to cut (at most k - 1), per the module docstring."""
+    # No graph library: `body` is already a topological order, and a cut's crossing values are a
+    # prefix sum over it (each value alive from its position to its last reader's).
     n = len(body)
     pos = {x: i for i, x in enumerate(body)}
     work = [0 if is_view(x) else 1 for x in body]
@@ -253,7 +260,12 @@ class PieceRunner:
         self.results = [slot[x] for x in gm.graph.output_node().args[0]]
         keep = set(self.results) | set(range(self.n_args))  # the step's outputs, and the caller's arguments
         self.plan = [
-            (fn, [slot[a] for a in piece.inputs], [slot[x] for x in piece.outputs], [s for s, q in last.items() if q == p and s not in keep])
+            (
+                fn,
+                [slot[a] for a in piece.inputs],
+                [slot[x] for x in piece.outputs],
+                [s for s, q in last.items() if q == p and s not in keep],
+            )
             for p, (piece, fn) in enumerate(zip(pieces, fns))
         ]
 

@@ -11,10 +11,13 @@ import os
 
 import torch
 
+from graphfuse.compiler import inductor
+
 
 def caches_on() -> bool:
     """Whether a compile in another process reaches this one (inductor's FX graph cache and
     AOTAutograd's cache are on)."""
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     import torch._functorch.config as fconfig
     import torch._inductor.config as config
 
@@ -25,18 +28,20 @@ def settings() -> dict:
     """What changes a compile's cache key and lives in this process: inductor's and functorch's
     configs, the float32 precision, reduced-precision and determinism flags, the thread count,
     the cache directory."""
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     import torch._functorch.config as fconfig
     import torch._inductor.config as config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    from graphfuse.compiler import inductor
 
     return {
         "inductor": config.save_config(),
         "programs": {"COMPILE_SPEED": dict(inductor.COMPILE_SPEED), "FIRST_STEP": dict(inductor.FIRST_STEP)},
         "functorch": fconfig.save_config(),
         "flags": _flags(),
-        "deterministic": [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()],
+        "deterministic": [
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ],
         "threads": torch.get_num_threads(),  # C++ kernels are generated for this many
         "cache_dir": cache_dir(),
     }
@@ -77,21 +82,25 @@ def _owner(path: str):
 def apply(s: dict) -> None:
     """Take the main process's `settings()`. A flag is set only where it differs: setting one
     of torch's precision flags to its own value can change how the others read."""
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     import torch._functorch.config as fconfig
     import torch._inductor.config as config
-
-    from graphfuse.compiler import inductor
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = s["cache_dir"]
     config.load_config(s["inductor"])
     # compile_graph reads these at every compile: a process that changed them (to tune pointwise
     # kernels again, say) has its workers compile as it does, not under graphfuse's defaults.
-    inductor.COMPILE_SPEED, inductor.FIRST_STEP = dict(s["programs"]["COMPILE_SPEED"]), dict(s["programs"]["FIRST_STEP"])
+    inductor.COMPILE_SPEED, inductor.FIRST_STEP = (
+        dict(s["programs"]["COMPILE_SPEED"]),
+        dict(s["programs"]["FIRST_STEP"]),
+    )
     fconfig.load_config(s["functorch"])
     for key, value in s["flags"].items():  # in FLAGS' order
         owner, name = key.rsplit(".", 1)
         if _flags().get(key) != value:
             setattr(_owner(owner), name, value)
-    if [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()] != s["deterministic"]:
+    if [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()] != s[
+        "deterministic"
+    ]:
         torch.use_deterministic_algorithms(s["deterministic"][0], warn_only=s["deterministic"][1])
     torch.set_num_threads(s["threads"])

@@ -17,13 +17,21 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphfuse.compiler import settings as compile_settings
-from graphfuse.compiler.workers import SPAWNED, Propagator, claim, mark, write_whole
+from graphfuse.compiler.in_place import in_place_graph
+from graphfuse.compiler.inductor import compile_graph, phase_seconds, phases_since, warm_workers
+from graphfuse.compiler.jobs import claim, mark, write_whole
+from graphfuse.compiler.pieces import split
+from graphfuse.compiler.workers import SPAWNED, Propagator
+from graphfuse.program_files import load_program
 
 
 def fake_from_meta(mode, m: dict) -> torch.Tensor:
-    """A fake tensor of `tensor_meta` m (a view of a larger one only for a storage offset)."""
+    """A fake tensor of `strided_meta` m (graphfuse/compiler/jobs.py): a view of a larger one only
+    for a storage offset."""
     dtype = getattr(torch, m["dtype"])
     with mode:
         if not m["offset"]:
@@ -39,13 +47,15 @@ def stand_in_group(world_size: int, rank: int, name: str) -> None:
     process group, of the main process's size and rank, stands in under the same name. A
     worker runs no collective; the compiled code looks the group up by name when it runs, in
     the main process, where the name is the real group's."""
-    import torch.distributed as dist
+    # only a worker whose program names a group: torch's test-only fake backend, registered on import
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-    from torch.distributed.distributed_c10d import _register_process_group
+    from torch.distributed.distributed_c10d import GroupName, _register_process_group
 
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
-    if dist.group.WORLD.group_name != name:
-        _register_process_group(name, dist.group.WORLD)
+    world = dist.group.WORLD
+    assert world is not None, "init_process_group set no world group"  # torch types it optional
+    if world.group_name != name:
+        _register_process_group(GroupName(name), world)
 
 
 def work(job: Path, started: float, times: dict) -> None:
@@ -53,13 +63,6 @@ def work(job: Path, started: float, times: dict) -> None:
     `times` (this worker's seconds since it was spawned) gains when the job came, when its
     pieces were prepared, and each piece's compile with torch's phases in it (`main` writes it
     for the main process's log); each piece's marker carries who compiled it and how long it took."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from graphfuse.compiler.in_place import in_place_graph
-    from graphfuse.compiler.inductor import compile_graph, phase_seconds, phases_since
-    from graphfuse.compiler.pieces import split
-    from graphfuse.program_files import load_program
-
     times["job_s"] = time.time() - started
     spec = json.loads((job / "job.json").read_text())
     if all((job / f"claim-{j}").exists() for j in range(spec["pieces"])):
@@ -92,9 +95,7 @@ def work(job: Path, started: float, times: dict) -> None:
 
 def main() -> int:
     started = float(os.environ.get(SPAWNED) or time.time())  # wall clock: counted from the spawn
-    import torch._inductor.compile_fx  # noqa: F401  (the imports, while the main process captures)
-
-    from graphfuse.compiler.inductor import warm_workers
+    import torch._inductor.compile_fx  # noqa: F401  (here, timed: the imports, while the main process captures)
 
     times = {"imports_s": time.time() - started}
     warm_workers()  # this process's own pool of kernel-compile workers, started while it waits
@@ -110,4 +111,3 @@ def main() -> int:
     finally:  # for the main process's log (Workers.close)
         write_whole(Path(line) / f"times-{os.getpid()}", json.dumps(times).encode())
     return 0
-

@@ -28,10 +28,15 @@ import weakref
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from graphfuse.compiler import inductor  # its functions looked up at each call: tests replace warm_workers
 from graphfuse.compiler import settings as compile_settings
-from graphfuse.compiler.inductor import phases_text
+from graphfuse.compiler.inductor import compile_graph, phase_seconds, phases_since, phases_text
+from graphfuse.compiler.jobs import claim, strided_meta, write_whole
+from graphfuse.compiler.pieces import PieceRunner, split
 from graphfuse.passes.graph import placeholders
+from graphfuse.program_files import save_program
 
 log = logging.getLogger("graphfuse")
 
@@ -64,12 +69,15 @@ class Workers:
         for i in range(n):
             with open(self.dir / f"worker-{i}.log", "wb") as err:
                 cmd = [sys.executable, "-c", code]
-                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, env=env))
+                self.procs.append(
+                    subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, env=env)
+                )
         # A DistModel dropped before its first step (or a failed start) leaves no process or directory behind.
         self._end = weakref.finalize(self, _end, self.procs, self.dir)
 
     def send(self, job: Path) -> None:
         for p in self.procs:
+            assert p.stdin is not None  # started with stdin=PIPE
             try:
                 p.stdin.write(f"{job}\n".encode())
                 p.stdin.close()
@@ -126,6 +134,7 @@ def pool_share(n: int) -> int:
     inductor's compile_threads (its default: the cores, up to 32) shared among them. On one
     H200's 16 cores, pieces compiled faster with every pool at 4 than with this process's at
     16 (two runs on two machines: suggestive, not a measured ratio; docs/data/benchmarks-history.md)."""
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     import torch._inductor.config as config
 
     return max(1, (config.compile_threads or os.cpu_count() or 1) // (n + 1))
@@ -135,14 +144,13 @@ def warm_pool(n: int) -> None:
     """Start this process's kernel-compile pool now (graphfuse.compiler.inductor.warm_workers), sized
     to its `pool_share` when n compile workers share the machine. compile_threads is not in
     inductor's cache keys, and is restored once the pool has started."""
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     import torch._inductor.config as config
 
-    from graphfuse.compiler.inductor import warm_workers
-
     if not n:
-        return warm_workers()
+        return inductor.warm_workers()
     with config.patch(compile_threads=pool_share(n)):
-        warm_workers()
+        inductor.warm_workers()
 
 
 def _end(procs: list[subprocess.Popen], where: Path) -> None:
@@ -168,47 +176,28 @@ def _report(path: Path) -> str:
 
 def _timeline(t: dict) -> str:
     """A worker's seconds since it was spawned, as `work` reports them."""
-    names = (("imports_s", "imports"), ("pool_s", "kernel-build pool"), ("cuda_s", "CUDA runtime"), ("job_s", "job came"), ("ready_s", "pieces prepared"))
+    names = (
+        ("imports_s", "imports"),
+        ("pool_s", "kernel-build pool"),
+        ("cuda_s", "CUDA runtime"),
+        ("job_s", "job came"),
+        ("ready_s", "pieces prepared"),
+    )
     marks = ", ".join(f"{label} {t[k]:.2f}" for k, label in names if k in t)
     pieces = [f"piece {j + 1} in {s:.2f} ({phases_text(spent)})" for j, s, spent in t.get("compiled", [])]
     pieces += [f"piece {j + 1} failed" for j in t.get("failed", [])]
     return f"seconds since it was spawned: {marks}; {', '.join(pieces) or 'no piece claimed'}"
 
 
-def tensor_meta(x: torch.Tensor) -> dict:
-    return {"shape": list(x.shape), "stride": list(x.stride()), "offset": x.storage_offset(), "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
-
-
-def claim(job: Path, j: int) -> bool:
-    """Take piece j for this process; False if another took it first."""
-    try:
-        os.close(os.open(job / f"claim-{j}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
-
-
-def mark(job: Path, j: int, what: str, text: str = "") -> None:
-    """Piece j is `what` ("done", "failed" with the traceback)."""
-    write_whole(job / f"{what}-{j}", text.encode())
-
-
-def write_whole(path: Path, data: bytes) -> None:
-    """Write `path` so that readers see it whole or not at all."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 class Propagator:
     """The step graph's values on fake tensors, computed in graph order as far as asked."""
 
     def __init__(self, gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.interp = torch.fx.Interpreter(gm)
-        self.interp.env = {n: self.mode.from_tensor(x, static_shapes=True) for n, x in zip(placeholders(gm.graph), examples)}
+        self.interp.env = {
+            n: self.mode.from_tensor(x, static_shapes=True) for n, x in zip(placeholders(gm.graph), examples)
+        }
         self.rest = iter([n for n in gm.graph.nodes if n.op not in ("placeholder", "output")])
 
     def values(self, nodes: list[torch.fx.Node]) -> list[torch.Tensor]:
@@ -224,20 +213,15 @@ class Propagator:
 def write_job(job: Path, program, n_pieces: int, example_inputs: list[torch.Tensor]) -> None:
     """What a worker needs to cut and compile the same pieces: the program file, the number of
     pieces, the inputs' shapes, strides and dtypes (job.json, written last), and `compile_settings.settings()`."""
-    from graphfuse.program_files import save_program
-
     save_program(program, job / "program")
     write_whole(job / "settings.pkl", pickle.dumps(compile_settings.settings()))
-    spec = {"pieces": n_pieces, "inputs": [tensor_meta(x) for x in example_inputs]}
+    spec = {"pieces": n_pieces, "inputs": [strided_meta(x) for x in example_inputs]}
     write_whole(job / "job.json", json.dumps(spec).encode())
 
 
 def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], workers: Workers):
     """The step `gm` cut into len(workers.procs) + 1 pieces and compiled by this process and
     the workers; returns a PieceRunner. Closes `workers`."""
-    from graphfuse.compiler.inductor import compile_graph, phase_seconds, phases_since
-    from graphfuse.compiler.pieces import PieceRunner, split
-
     try:
         # Without inductor's caches no worker's compile reaches this process: the step is compiled whole here.
         cached = compile_settings.caches_on()
@@ -248,25 +232,39 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
             try:
                 write_job(job, program, len(pieces), example_inputs)
                 workers.send(job)
-                log.info("graphfuse: compile job for %d pieces sent to the workers %.2f s after they were spawned",
-                         len(pieces), time.time() - workers.spawned)
+                log.info(
+                    "graphfuse: compile job for %d pieces sent to the workers %.2f s after they were spawned",
+                    len(pieces),
+                    time.time() - workers.spawned,
+                )
             except Exception as e:  # e.g. an inductor setting that cannot be pickled: the pieces are compiled here
-                log.warning("graphfuse: cannot hand the compile to the workers (%s: %s); compiling every piece here",
-                            type(e).__name__, e)
+                log.warning(
+                    "graphfuse: cannot hand the compile to the workers (%s: %s); compiling every piece here",
+                    type(e).__name__,
+                    e,
+                )
         else:
-            log.info("graphfuse: compiling the step in this process only (%d piece(s); inductor's caches %s)",
-                     len(pieces), "on" if cached else "off")
+            log.info(
+                "graphfuse: compiling the step in this process only (%d piece(s); inductor's caches %s)",
+                len(pieces),
+                "on" if cached else "off",
+            )
         prop = Propagator(gm, example_inputs)
         fns: list = [None] * len(pieces)
         longest = 0.0
         for j, piece in enumerate(pieces):
-            if (first if j == 0 else claim(job, j)):
+            if first if j == 0 else claim(job, j):
                 t, before = time.perf_counter(), phase_seconds()
                 fns[j] = compile_graph(piece.gm, prop.values(piece.inputs))
                 took = time.perf_counter() - t
                 longest = max(longest, took)
-                log.info("graphfuse: piece %d of %d compiled here in %.2f s (%s)", j + 1, len(pieces), took,
-                         phases_text(phases_since(before)))
+                log.info(
+                    "graphfuse: piece %d of %d compiled here in %.2f s (%s)",
+                    j + 1,
+                    len(pieces),
+                    took,
+                    phases_text(phases_since(before)),
+                )
         # A worker that is alive but never finishes must not hang the step: past this, its piece is compiled here.
         deadline = time.monotonic() + max(WAIT_MIN_S, WAIT_FACTOR * longest)
         for j, piece in enumerate(pieces):
@@ -280,9 +278,8 @@ def compile_pieces(program, gm: torch.fx.GraphModule, example_inputs: list[torch
 def _from_worker(job: Path, j: int, piece, prop: Propagator, workers: Workers, deadline: float):
     """Piece j, compiled by a worker: loaded from the cache once the worker is done (compiled
     here if it failed, died, is past `deadline`, or its result is not found in the cache)."""
+    # on first use: torch._dynamo comes with inductor, which `import graphfuse` never needs
     from torch._dynamo.utils import counters
-
-    from graphfuse.compiler.inductor import compile_graph
 
     t = time.perf_counter()
     while not (job / f"done-{j}").exists() and not (job / f"failed-{j}").exists() and workers.alive():
@@ -292,7 +289,11 @@ def _from_worker(job: Path, j: int, piece, prop: Propagator, workers: Workers, d
         time.sleep(POLL_S)
     waited, done = time.perf_counter() - t, (job / f"done-{j}").exists()
     if (job / f"failed-{j}").exists():
-        log.warning("graphfuse: a compile worker failed on piece %d; compiling it here:\n%s", j + 1, (job / f"failed-{j}").read_text()[-2000:])
+        log.warning(
+            "graphfuse: a compile worker failed on piece %d; compiling it here:\n%s",
+            j + 1,
+            (job / f"failed-{j}").read_text()[-2000:],
+        )
     elif not done:
         log.warning("graphfuse: the compile workers ended without piece %d; compiling it here", j + 1)
     t = time.perf_counter()
@@ -302,10 +303,20 @@ def _from_worker(job: Path, j: int, piece, prop: Propagator, workers: Workers, d
     fn = compile_graph(piece.gm, examples)
     if done:
         w = json.loads((job / f"done-{j}").read_text())
-        log.info("graphfuse: piece %d compiled by worker %s in %.2f s (its timeline: below); waited %.2f s, its inputs' "
-                 "fake values took %.2f s, loaded here in %.2f s", j + 1, w["pid"], w["compile_s"], waited, fakes_s,
-                 time.perf_counter() - t)
+        log.info(
+            "graphfuse: piece %d compiled by worker %s in %.2f s (its timeline: below); waited %.2f s, its inputs' "
+            "fake values took %.2f s, loaded here in %.2f s",
+            j + 1,
+            w["pid"],
+            w["compile_s"],
+            waited,
+            fakes_s,
+            time.perf_counter() - t,
+        )
         if counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] == hits:
-            log.warning("graphfuse: piece %d, compiled by a worker, was not found in inductor's cache and was compiled again "
-                        "here (a compile setting this process has and the worker lacked?)", j + 1)
+            log.warning(
+                "graphfuse: piece %d, compiled by a worker, was not found in inductor's cache and was compiled again "
+                "here (a compile setting this process has and the worker lacked?)",
+                j + 1,
+            )
     return fn

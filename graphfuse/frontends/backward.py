@@ -11,7 +11,9 @@ from graphfuse.ir.layout import BucketLayout
 from graphfuse.passes.graph import aten, c10d, position
 
 
-def _eligible(layout: BucketLayout, fqns: list[str | None], grads: list, elsewhere: set[str]) -> tuple[list, dict[str, torch.fx.Node]]:
+def _eligible(
+    layout: BucketLayout, fqns: list[str | None], grads: list, elsewhere: set[str]
+) -> tuple[list, dict[str, torch.fx.Node]]:
     """The buckets all of whose parameters get their gradient here (each parameter once), and
     none of which another compiled region also reads (its gradient would come in two parts)."""
     grad_of: dict[str, torch.fx.Node] = {}
@@ -87,5 +89,3 @@ def rewrite_backward(
     out.args = (tuple(new) + tuple(shards),)
     gm.recompile()
     return [b.index for b in buckets]
-
-

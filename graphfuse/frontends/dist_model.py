@@ -6,31 +6,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from graphfuse import checkpoint
 from graphfuse.capture.step import capture
+from graphfuse.checkpoint.torch_form import load_torch_form
 from graphfuse.compiler import cuda_graph
 from graphfuse.compiler.in_place import compile_in_place
 from graphfuse.compiler.workers import Workers, how_many, warm_pool
 from graphfuse.errors import UnsupportedError
 from graphfuse.frontends.habits import check_unowned, hook_model, route_optimizer
-from graphfuse.ir.layout import BucketLayout
 from graphfuse.ir.program import Program
+from graphfuse.optim import as_one
 from graphfuse.passes import run_pipeline, verify
-from graphfuse.ranks import HeldGroup, refuse_alone
+from graphfuse.ranks import refuse_alone
 from graphfuse.runtime.batches import batch_change, batch_key, check_batch, flatten_batch, program_batch_key
-from graphfuse.runtime.execute import (
-    arguments,
-    backend_of,
-    bind_tensors,
-    group_info,
-    rebind_group,
-    refresh_masters,
-    run_step,
-)
+from graphfuse.runtime.bound import BoundFront, BoundProgram
+from graphfuse.runtime.execute import arguments, backend_of, rebind_group
 from graphfuse.runtime.guards import ProgramCache, Snapshot, agree_to_start
 from graphfuse.runtime.metrics import StepMetrics, measure
 from graphfuse.runtime.param_state import ParamState, gather_shards
@@ -40,7 +35,7 @@ from graphfuse.strategy import Strategy
 log = logging.getLogger("graphfuse")
 
 
-class DistModel:
+class DistModel(BoundFront):
     """A model, its optimizer and loss compiled into one fused, sharded training step.
 
     `dm(batch)` runs one step and returns the loss. The model's parameters are views into
@@ -49,23 +44,24 @@ class DistModel:
     `grad_norm` holds its global gradient norm (with Strategy.max_grad_norm) and `metrics` its
     `StepMetrics`. The user's optimizer speaks for the state held here (graphfuse/frontends/habits.py):
     its `state_dict()` gathers it, its `load_state_dict()` loads into it, its `step()` raises.
+    The training state (program, tensors, steps, carried, group) is its BoundProgram's
+    (graphfuse/runtime/bound.py), read through the attributes of the same names.
     """
-
-    group = HeldGroup()  # weakly: destroy_process_group() destroys it (graphfuse/ranks.py)
 
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         loss_fn: Callable,
         example_batch,
         strategy: Strategy | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        optimizer = as_one(optimizer)  # several optimizers (Muon and AdamW) step as one
         check_unowned(optimizer, "gf.compile")
         refuse_alone(group, "gf.compile")  # WORLD_SIZE > 1 with no process group: not alone by accident
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.group, self.world_size, self.rank, self.group_name = group_info(group)
+        self._bound = BoundProgram(group, "DistModel")
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
         self._prepare()
@@ -86,7 +82,7 @@ class DistModel:
         cls,
         program: Program,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         group: dist.ProcessGroup | None = None,
     ) -> DistModel:
         """Run a saved `program` (see gf.load_program) without tracing the model again.
@@ -96,13 +92,14 @@ class DistModel:
         learning rate. Restore training state afterwards with gf.load or load_state_dict.
         """
         self = cls.__new__(cls)
-        self.model, self.optimizer, self.loss_fn = model, optimizer, None
+        self.model, self.optimizer, self.loss_fn = model, as_one(optimizer), None
         self.strategy = program.strategy
-        self.group, self.world_size, self.rank, self.group_name = group_info(group)
+        self._bound = BoundProgram(group, "DistModel")
         if (self.world_size, self.rank) != (program.world_size, program.rank):
             raise UnsupportedError(
                 f"the program was built for rank {program.rank} of {program.world_size}, but this process is "
-                f"rank {self.rank} of {self.world_size}; load the program saved by this rank, or rebuild with gf.compile"
+                f"rank {self.rank} of {self.world_size}; load the program saved by this rank, or rebuild with "
+                f"gf.compile"
             )
         self._prepare()
         params = dict(model.named_parameters())
@@ -115,9 +112,12 @@ class DistModel:
                         f"the model has {None if p is None else (tuple(p.shape), p.dtype)}"
                     )
         if [g.params for g in program.optim.groups] != [
-            tuple(n for p in grp["params"] for n, q in params.items() if q is p and q.requires_grad) for grp in optimizer.param_groups
+            tuple(n for p in grp["params"] for n, q in params.items() if q is p and q.requires_grad)
+            for grp in self.optimizer.param_groups
         ]:
-            raise UnsupportedError("the optimizer's param groups do not hold the parameters the program was traced with")
+            raise UnsupportedError(
+                "the optimizer's param groups do not hold the parameters the program was traced with"
+            )
         if program.group_name != self.group_name:
             program = rebind_group(program, self.group_name)
         self._start(program, program_batch_key(program))
@@ -146,18 +146,11 @@ class DistModel:
         self.grad_norm: torch.Tensor | None = None
         self.metrics: StepMetrics | None = None
         self._last_call: float | None = None
-        self.steps = [0] * len(program.optim.groups)
-        self.carried: list[dict[str, float]] = [{} for _ in program.optim.groups]  # see execute.run_step
-        self.program = program
         self._example_key = key
         # batch key -> (program, its executable; None until the first step compiles it)
         self._programs = ProgramCache(self.strategy.program_cache_size)
         self._programs[key] = (program, self._eager(program))
         self.params.start(program, self.model)
-
-    @property
-    def layout(self) -> BucketLayout:
-        return self.program.layout
 
     # ---- building -------------------------------------------------------------------
     def _build(self, batch) -> Program:
@@ -169,7 +162,6 @@ class DistModel:
         with self.startup.time("verify"):
             return verify(program)
 
-
     def _eager(self, program: Program) -> Callable | None:
         """The program's executable if it runs eagerly; None if inductor compiles it at the
         first step, for that batch's devices and strides."""
@@ -179,7 +171,7 @@ class DistModel:
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
         scalars_on = self.cuda_graphs.device if self.cuda_graphs else None
-        self.tensors: dict[str, torch.Tensor] = bind_tensors(program, params, buffers, self.group, scalar_device=scalars_on)
+        self._bound.bind(program, params, buffers, scalar_device=scalars_on)
 
     # ---- running --------------------------------------------------------------------
     def _program_for(self, batch, key: tuple) -> tuple[Program, Callable | None]:
@@ -193,14 +185,20 @@ class DistModel:
                 f"this DistModel runs a loaded program traced for one batch shape; this batch differs ({change}), "
                 "and without the model's loss_fn it cannot be traced again: feed batches like the traced one"
             )
-        log.warning("graphfuse: the batch differs from every traced one (from the example: %s); re-capturing the step", change)
+        log.warning(
+            "graphfuse: the batch differs from every traced one (from the example: %s); re-capturing the step", change
+        )
         try:
             program = self._build(batch)
         except Exception as e:
-            e.add_note(f"graphfuse: raised while re-capturing the step for a batch that differs from the example ({change})")
+            e.add_note(
+                f"graphfuse: raised while re-capturing the step for a batch that differs from the example ({change})"
+            )
             raise
         if program.layout.fingerprint != self.layout.fingerprint:
-            fix = "cast the batch to the example's dtypes" if "dtype" in change else "pad batches to the example's shapes"
+            fix = (
+                "cast the batch to the example's dtypes" if "dtype" in change else "pad batches to the example's shapes"
+            )
             raise UnsupportedError(
                 f"re-capturing the step for a batch that differs from the example ({change}) gave a different bucket "
                 f"layout (its backward produces the gradients in another order), so it cannot share the buckets; {fix}"
@@ -222,17 +220,15 @@ class DistModel:
             if self.cuda_graphs:  # run un-captured now, captured at this batch key's next step
                 fn = self.cuda_graphs.wrap(fn, program)
             self._programs[key] = (program, fn)
-        steps = [s + 1 for s in self.steps]
         first = "first step" not in self.startup
         with self.startup.time("first step") if first else contextlib.nullcontext():
-            outs = run_step(program, fn, self.tensors, self.optimizer.param_groups, steps, self.carried, leaves)
+            outs = self._bound.step(program, fn, self.optimizer.param_groups, leaves)
         if first:
             log.info("graphfuse: first step: %s", self.startup.format(("inductor", "first step")))
-        self.steps = steps
         self.params.stale = self.params.deferred  # other ranks' ranges of the buckets are a step old
         self.optimizer._opt_called = True  # the optimizer has stepped: LR schedulers check this
         self.grad_norm = outs[1] if len(outs) > 1 else None  # the clip pass returns it after the loss
-        self.metrics = measure(steps[0], called, self._last_call, leaves, self.grad_norm)
+        self.metrics = measure(self.steps[0], called, self._last_call, leaves, self.grad_norm)
         self._last_call = called
         return outs[0]
 
@@ -241,8 +237,6 @@ class DistModel:
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self, mode: str | None = None) -> dict:
         """The training state in checkpoint `mode` (default: strategy.checkpoint_mode)."""
-        from graphfuse import checkpoint
-
         self.sync()
         return checkpoint.state_dict(self, mode, whole_weights=True)
 
@@ -250,9 +244,6 @@ class DistModel:
         """Copy `state_dict` into the live buffers, after validating all of it: one from
         `state_dict(mode)` of any mode, a plain {"model", "optim"} of full tensors, or the
         optimizer alone in torch.optim's form (by index or FQN; the weights stay as they are)."""
-        from graphfuse import checkpoint
-        from graphfuse.checkpoint.torch_form import load_torch_form
-
         if "state" in state_dict and "param_groups" in state_dict:
             load_torch_form(self, state_dict)
         else:
@@ -262,19 +253,14 @@ class DistModel:
     def weights_loaded(self, fqns: set[str]) -> None:
         """The model's own load_state_dict wrote the weights of `fqns` into the buckets: the fp32
         master shards follow, or the next update would overwrite the loaded weights."""
-        refresh_masters(self.program, self.tensors, fqns)
+        self._bound.refresh_masters(fqns)
 
     # ---- views ----------------------------------------------------------------------
     def named_slices(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's `slice@<fqn>` views: the parameter's data in the bucket shard, and
         `slice@<fqn>.<state>` in every state shard (and `.master`), padding excluded. Current
         without `sync()` (a rank's own shard is always current), so no collective runs here."""
-        for bucket in self.layout.buckets:
-            shards = [n for n in self.tensors if n.startswith(bucket.name + ".")]
-            for s in bucket.slices(self.rank):
-                yield f"slice@{s.fqn}", self.tensors[bucket.name][slice(*bucket.bucket_range(self.rank, s))]
-                for name in shards:
-                    yield f"slice@{s.fqn}.{name.split('.', 1)[1]}", self.tensors[name][slice(*s.shard_range)]
+        return self._bound.named_slices()
 
     # ---- deferred parameter all-gather (Strategy.overlap_param_gather) ----------------
     def sync(self) -> None:

@@ -13,18 +13,23 @@ import weakref
 
 import torch
 
-from graphfuse.checkpoint.torch_form import torch_form
+from graphfuse.checkpoint.torch_form import load_torch_form, torch_form
 from graphfuse.errors import UnsupportedError
-from graphfuse.optim import ShardedState
+from graphfuse.optim import Optimizers, ShardedState
 
 
-def check_unowned(opt: torch.optim.Optimizer, how: str) -> None:
+def check_unowned(opt: torch.optim.Optimizer | Optimizers, how: str) -> None:
     """Refuse an optimizer whose state a live DistModel or ShardedOptimizer that has stepped
     holds: a new owner would start from zero state and the old one's would be lost silently."""
+    if isinstance(opt, Optimizers):
+        for o in opt.optimizers:
+            check_unowned(o, how)
+        return
     if isinstance(opt.state, ShardedState) and opt.state.stepped():
         raise UnsupportedError(
             f"{how}: {type(opt).__name__} already belongs to a DistModel or ShardedOptimizer that has stepped, whose "
-            "shards hold its state; build a fresh optimizer and move the state with new.load_state_dict(old.state_dict())"
+            "shards hold its state; build a fresh optimizer and move the state with "
+            "new.load_state_dict(old.state_dict())"
         )
 
 
@@ -38,9 +43,37 @@ def refuse_add_param_group(owner_name: str):
     return add_param_group
 
 
-def route_optimizer(opt: torch.optim.Optimizer, owner, how: str) -> None:
+def route_optimizers(opt: Optimizers, owner, how: str) -> None:
+    """Several optimizers: each speaks for its own param groups' state (its state_dict() is what
+    the same plain torch optimizer would give), and `opt` for all of them (a list of those)."""
+    for part, o in enumerate(opt.optimizers):
+        route_optimizer(o, owner, how, part)
+    ref = weakref.ref(owner)
+
+    def state_dict(self) -> list[dict]:
+        """One torch.optim state dict per optimizer, in order. A collective: call it on every rank."""
+        return [o.state_dict() for o in self.optimizers]
+
+    def load_state_dict(self, state_dicts: list[dict]) -> None:
+        if not isinstance(state_dicts, list | tuple) or len(state_dicts) != len(self.optimizers):
+            raise UnsupportedError(
+                f"{self!r}.load_state_dict takes a list of {len(self.optimizers)} state dicts, one per optimizer"
+            )
+        for o, sd in zip(self.optimizers, state_dicts):
+            o.load_state_dict(sd)
+
+    opt.state_dict = types.MethodType(state_dict, opt)
+    opt.load_state_dict = types.MethodType(load_state_dict, opt)
+    opt.state = ShardedState([p for g in opt.param_groups for p in g["params"] if p.requires_grad], ref())
+
+
+def route_optimizer(opt: torch.optim.Optimizer, owner, how: str, part: int | None = None) -> None:
     """Make the user's optimizer `opt` speak for the state `owner` holds (a DistModel, or the
-    ShardedOptimizer that wraps `opt`); `how` names what replaces `opt.step()`."""
+    ShardedOptimizer that wraps `opt`); `how` names what replaces `opt.step()`. `part`: `opt`
+    is optimizer `part` of several (graphfuse.optim.Optimizers) and speaks for its groups only."""
+    if isinstance(opt, Optimizers):
+        route_optimizers(opt, owner, how)
+        return
     ref = weakref.ref(owner)  # weak: the optimizer must not keep its owner (and its process group) alive
 
     def live():
@@ -54,14 +87,20 @@ def route_optimizer(opt: torch.optim.Optimizer, owner, how: str) -> None:
         parameter index). A collective: call it on every rank."""
 
         o = live()
-        if isinstance(o, torch.optim.Optimizer):
-            return o.state_dict()
+        if isinstance(o, torch.optim.Optimizer):  # a ShardedOptimizer: its weights are always current
+            return o.state_dict() if part is None else torch_form(o, by_index=True, part=part)
         o.sync()
-        return torch_form(o, by_index=True)
+        return torch_form(o, by_index=True, part=part)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch.optim's form (by index or FQN) into the state graphfuse holds, validated first."""
-        live().load_state_dict(state_dict)
+        if part is None:
+            live().load_state_dict(state_dict)
+            return
+        o = live()
+        load_torch_form(o, state_dict, part=part)
+        if not isinstance(o, torch.optim.Optimizer):
+            o.loaded()
 
     def step(self, closure=None):
         raise UnsupportedError(

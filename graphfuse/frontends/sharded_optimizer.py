@@ -6,24 +6,25 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from graphfuse import checkpoint
 from graphfuse.capture.update import capture_update
 from graphfuse.checkpoint.torch_form import TORCH_MODE, load_torch_form, torch_form
 from graphfuse.compiler.in_place import compile_in_place
 from graphfuse.errors import UnsupportedError
 from graphfuse.frontends.habits import check_unowned, refuse_add_param_group, route_optimizer
 from graphfuse.ir import signature as sig
-from graphfuse.ir.layout import BucketLayout
 from graphfuse.ir.program import Program
-from graphfuse.optim import ShardedState
+from graphfuse.optim import ShardedState, as_one
 from graphfuse.passes import PIPELINE, reduce_scatter, run_pipeline, verify
 from graphfuse.passes.shard_inputs import SHARD_SUFFIX, ShardInputs, drop_unused_gradients
-from graphfuse.ranks import HeldGroup, refuse_alone
-from graphfuse.runtime.execute import arguments, backend_of, bind_tensors, group_info, run_step
+from graphfuse.ranks import refuse_alone
+from graphfuse.runtime.bound import BoundFront, BoundProgram
+from graphfuse.runtime.execute import arguments, backend_of
 from graphfuse.runtime.grad_shards import clip_shards, reduce_scatter_grads
 from graphfuse.runtime.guards import Snapshot
 from graphfuse.strategy import Strategy
@@ -78,7 +79,7 @@ def _checked(strategy: Strategy) -> Strategy:
     return strategy
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(BoundFront, torch.optim.Optimizer):
     """ZeRO-1 over fused buckets for a backward computed outside graphfuse.
 
     `step()` reads each parameter's `.grad` (summed over any number of backward calls since
@@ -87,19 +88,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     with one fused update and all-gathers the buckets. `param_groups` is the wrapped
     optimizer's own list, so LR schedulers (on either object) drive it live. The model's
     parameters become views into the buckets, so the model always shows the current weights.
+    The training state (program, tensors, steps, carried, group) is its BoundProgram's
+    (graphfuse/runtime/bound.py), read through the attributes of the same names.
     """
-
-    group = HeldGroup()  # weakly: destroy_process_group() destroys it (graphfuse/ranks.py)
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         strategy: Strategy | None = None,
         group: dist.ProcessGroup | None = None,
         *,
         model: torch.nn.Module | None = None,
         reduce_in_backward: bool = True,
     ) -> None:
+        optimizer = as_one(optimizer)  # several optimizers (Muon and AdamW) step as one
         check_unowned(optimizer, "gf.shard_optimizer")
         refuse_alone(group, "gf.shard_optimizer")  # WORLD_SIZE > 1 with no process group: not alone by accident
         strategy = _checked(strategy or Strategy())
@@ -109,7 +111,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # shared: schedulers on either object act on both
         self.state = ShardedState([p for p in self.params.values() if p.requires_grad], self)
         self.model = model if model is not None else _Params(self.params)
-        self.group, self.world_size, self.rank, self.group_name = group_info(group)
+        self._bound = BoundProgram(group, "ShardedOptimizer")
         device = self.param_groups[0]["params"][0].device.type
         self.strategy = strategy = strategy.for_backend(backend_of(self.group, device), device)
         program = capture_update(self.params, optimizer, strategy)
@@ -122,10 +124,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             group_name=self.group_name,
         )
         self._captured = copy.deepcopy(program)  # the passes edit a program in place
-        self.program = verify(run_pipeline(program))
-        self.tensors = bind_tensors(self.program, self.params, {}, self.group)
-        self.steps = [0] * len(self.program.optim.groups)
-        self.carried: list[dict[str, float]] = [{} for _ in self.program.optim.groups]  # see execute.run_step
+        self._bound.bind(verify(run_pipeline(program)), self.params, {})
         fn = self.program.graph_module if strategy.compile == "eager" else None
         # buckets whose shards a compiled backward made -> (program, executable or None)
         self._variants: dict[frozenset[int], tuple[Program, Callable | None]] = {frozenset(): (self.program, fn)}
@@ -138,10 +137,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         OPTIMIZERS[:] = [r for r in OPTIMIZERS if r() is not None] + [weakref.ref(self)]
         route_optimizer(optimizer, self, "gf.shard_optimizer")  # the wrapped optimizer's own calls reach these shards
         self._snapshot = Snapshot(self.model, optimizer, "gf.shard_optimizer")  # a moved or copied parameter is refused
-
-    @property
-    def layout(self) -> BucketLayout:
-        return self.program.layout
 
     def receive_shards(self, buckets: list[int], shards: list[torch.Tensor]) -> None:
         """Called by a compiled backward: the averaged gradient shards of `buckets`; several
@@ -196,22 +191,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        steps = [s + 1 for s in self.steps]
         reduced = frozenset(self._shards)
         program, fn = self._variant(reduced)
         per_call = self._per_call(program, reduced)
         if fn is None:  # inductor compiles for the gradients' devices and strides
             fn = compile_in_place(program, arguments(program, self.tensors, per_call))
             self._variants[reduced] = (program, fn)
-        run_step(program, fn, self.tensors, self.param_groups, steps, self.carried, per_call)
-        self.steps = steps
-        self.last_reductions = {b.name: self._received.get(b.index, 0) + (b.index not in reduced) for b in self.layout.buckets}
+        self._bound.step(program, fn, self.param_groups, per_call)
+        self.last_reductions = {
+            b.name: self._received.get(b.index, 0) + (b.index not in reduced) for b in self.layout.buckets
+        }
         self._shards, self._received = {}, {}
         self.optimizer._opt_called = True  # the wrapped optimizer has stepped: its LR schedulers check this
         return loss
 
     def add_param_group(self, param_group: dict) -> None:
-        if "program" in self.__dict__:  # torch.optim's __init__ adds the groups it was given
+        if "_bound" in self.__dict__:  # torch.optim's __init__ adds the groups it was given (before _bound)
             refuse_add_param_group("gf.shard_optimizer")(self, param_group)
         super().add_param_group(param_group)
 
@@ -262,16 +257,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return torch_form(self, by_index=True)
         if mode == TORCH_MODE:
             return torch_form(self)
-        from graphfuse import checkpoint
-
         return checkpoint.state_dict(self, mode, whole_weights=True)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy `state_dict` into the live buffers after validating all of it: one from
         `state_dict(mode)` of any mode, a plain {"model", "optim"}, or a torch.optim form
         (keyed by FQN, or by index as a plain torch optimizer's state_dict())."""
-        from graphfuse import checkpoint
-
         if "state" in state_dict and "param_groups" in state_dict:
             load_torch_form(self, state_dict)
             return
@@ -279,7 +270,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def shard_optimizer(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     strategy: Strategy | None = None,
     group: dist.ProcessGroup | None = None,
     *,
@@ -291,7 +282,8 @@ def shard_optimizer(
 
     Args:
         optimizer: a fresh torch.optim optimizer (docs/models.md); afterwards its own step()
-            raises and its state_dict()/load_state_dict() reach the shards (docs/habits.md).
+            raises and its state_dict()/load_state_dict() reach the shards (docs/habits.md); or
+            a list of them over disjoint parameters (torch.optim.Muon and AdamW), stepped as one.
         strategy: the configuration (gf.Strategy()); None: the defaults.
         group: the process group; None: the default group if initialised, else world size 1.
         model: names the parameters by FQN in the layout and checkpoints (param0, param1, ...

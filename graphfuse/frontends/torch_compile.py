@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch._guards import CompileContext, TracingContext, compile_context, detect_fake_mode, tracing
 
 from graphfuse.capture.update import capture_update
 from graphfuse.compiler.inductor import active_workarounds, compile_graph
@@ -51,6 +52,7 @@ def _owner(inputs) -> tuple[ShardedOptimizer | None, list[str | None]]:
 
 
 def _inductor(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     import torch._inductor.config as config
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -61,7 +63,7 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs, **kwargs):
 def _partition(gm: torch.fx.GraphModule, joint_inputs, **kwargs):
     """Inductor's partitioner: its joint-graph passes (random ops such as dropout are rewritten
     there), then the min-cut split into forward and backward."""
-    from torch._guards import detect_fake_mode
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     from torch._inductor.compile_fx import partition_fn
     from torch._inductor.virtualized import V
 
@@ -74,7 +76,7 @@ def _inference(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     runs, so inductor's joint-graph passes run here first, as backend="inductor" runs them for
     such a graph; random ops (dropout in a validation pass without eval()) are rewritten there,
     and inductor cannot lower them otherwise ("should have been handled in replace_random.py")."""
-    from torch._guards import detect_fake_mode
+    # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
     from torch._inductor.virtualized import V
 
@@ -122,7 +124,8 @@ class _Owner:
             now = _fqn_by_id(self.opt()).get(id(args[i]), "a tensor it does not own")
             raise UnsupportedError(
                 f"a region compiled by the graphfuse backend is called with other parameters of the same "
-                f"gf.shard_optimizer than when its backward was compiled ({now} where it had {self.fqns[i]}): one graph "
+                f"gf.shard_optimizer than when its backward was compiled ({now} where it had {self.fqns[i]}): "
+                f"one graph "
                 "reused for several modules of one model, e.g. a graph break inside a loop over blocks, so its "
                 "gradient shards would be credited to the wrong buckets; move the graph break out of the loop, or "
                 "build the optimizer with gf.shard_optimizer(..., reduce_in_backward=False)"
@@ -148,7 +151,9 @@ class _Owner:
             opt.backward_graphs.append((gm, buckets))
         compiled = _inductor(gm, example_inputs, is_backward=True)
         if opt is not None:
-            log.debug("graphfuse backend: %d of %d buckets reduced in this backward", len(buckets), len(opt.layout.buckets))
+            log.debug(
+                "graphfuse backend: %d of %d buckets reduced in this backward", len(buckets), len(opt.layout.buckets)
+            )
         if not buckets:
             return compiled
         n, ref = len(self.fqns), self.opt
@@ -176,7 +181,10 @@ class _Region:
     parameters passed, and tags its autograd node, so that the backward of that call runs the
     owner's variant."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, opt: ShardedOptimizer, fqns: list[str | None]) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, example_inputs: list, opt: ShardedOptimizer, fqns: list[str | None]
+    ) -> None:
+        # on first use: torch._inductor takes over a second to import, and `import graphfuse` never needs it
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
 
@@ -229,8 +237,6 @@ class _Region:
         """AOTAutograd's backward compiler, called once: keep the backward graph (each owner's
         variant is compiled from a copy of it, in the context AOTAutograd compiles it in) and
         return the function that runs the variant of the owner whose node is running."""
-        from torch._guards import CompileContext, TracingContext
-
         self.graph, self.graph_inputs = copy.deepcopy(gm), example_inputs
         self.contexts = (TracingContext.try_get(), CompileContext.try_get())
 
@@ -258,8 +264,6 @@ class _Region:
     def variant(self, owner: _Owner) -> Callable:
         """`owner`'s compiled backward, compiled at its first call from a copy of the graph."""
         if owner.backward is None:
-            from torch._guards import compile_context, tracing
-
             tracing_context, compile_ctx = self.contexts
             with tracing(tracing_context), compile_context(compile_ctx):
                 owner.backward = owner.compile_backward(copy.deepcopy(self.graph), self.graph_inputs)
@@ -288,7 +292,7 @@ def _load_inductor_lowering() -> None:
     backend="inductor" it is always loaded, since `torch._inductor.compile_fx` imports it (through
     `.graph`) before the table is used; here nothing else would, and any model with a max pool
     failed with "module 'torch._inductor' has no attribute 'lowering'"."""
-    import torch._inductor.lowering  # noqa: F401
+    import torch._inductor.lowering  # noqa: F401  (lazy for the reason above: loads inductor)
 
 
 def graphfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):

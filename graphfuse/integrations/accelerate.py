@@ -60,7 +60,8 @@ def prepare_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.
         return model
     if accelerator.state.dynamo_plugin.backend.value != "NO":
         raise UnsupportedError(
-            f"the Accelerator compiles models with dynamo_backend={accelerator.state.dynamo_plugin.backend.value.lower()}; "
+            f"the Accelerator compiles models with "
+            f"dynamo_backend={accelerator.state.dynamo_plugin.backend.value.lower()}; "
             "graphfuse compiles its model itself: build the Accelerator without dynamo_backend and pass compile=True"
         )
     return accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
@@ -141,7 +142,9 @@ def _routed_clip(accelerator: Accelerator, original):
         given = {id(p) for p in params}
         for opt in accelerator._optimizers:
             sharded = sharded_of(opt)
-            own = {id(p) for p in sharded.params.values() if p.requires_grad} if sharded is not None else set()
+            if sharded is None:
+                continue
+            own = {id(p) for p in sharded.params.values() if p.requires_grad}
             if not own & given:
                 continue
             if own - given:
@@ -152,13 +155,16 @@ def _routed_clip(accelerator: Accelerator, original):
             return sharded.clip_grad_norm_(max_norm, norm_type)
         return original(params, max_norm, norm_type)
 
-    clip_grad_norm_.graphfuse = True
     return clip_grad_norm_
+
+
+_installed: weakref.WeakSet[Accelerator] = weakref.WeakSet()  # the Accelerators install() routed
 
 
 def install(accelerator: Accelerator) -> None:
     """Route `accelerator.clip_grad_norm_` and hook `save_state`, once per Accelerator."""
-    if not getattr(accelerator.clip_grad_norm_, "graphfuse", False):
+    if accelerator not in _installed:
+        _installed.add(accelerator)
         accelerator.clip_grad_norm_ = _routed_clip(accelerator, accelerator.clip_grad_norm_)
         accelerator.register_save_state_pre_hook(_save_whole_weights)
         accelerator.register_load_state_pre_hook(_load_whole_weights)
@@ -174,7 +180,8 @@ def prepare(accelerator: Accelerator, *objects, strategy: Strategy | None = None
     if accelerator.distributed_type in _OTHERS:
         raise UnsupportedError(
             f"graphfuse.integrations.accelerate.prepare: the Accelerator runs {accelerator.distributed_type.value}, "
-            "another data parallelism; graphfuse is ZeRO-1 data parallelism itself: launch without DeepSpeed, FSDP or XLA"
+            "another data parallelism; graphfuse is ZeRO-1 data parallelism itself: launch without DeepSpeed, "
+            "FSDP or XLA"
         )
     models = [o for o in objects if isinstance(o, torch.nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]

@@ -6,6 +6,7 @@ across shards, and checkpoints written and resumed by gf.save/gf.load on every r
 from __future__ import annotations
 
 import os
+from typing import TypeVar
 
 import torch
 from transformers import Trainer
@@ -18,6 +19,7 @@ from graphfuse.integrations.accelerate import install, place, prepare_model, pre
 from graphfuse.strategy import Strategy
 
 STATE_DIR = "graphfuse"  # in each checkpoint-<step>: the optimizer state and weights, balanced (any world size)
+T = TypeVar("T")
 COMPILE_BACKENDS = (None, "graphfuse", "inductor")  # TrainingArguments fills in "inductor" for torch_compile=True
 
 
@@ -69,9 +71,10 @@ class GraphfuseTrainer(Trainer):
         """Trainer's optimizer (or the one passed in `optimizers`), sharded over the placed model and
         wrapped by accelerate without its state_dict round trip; the model compiled if asked. Called
         again (a second train()), each step finds its work done."""
-        sharded = shard(super().create_optimizer(model), self.model, self.strategy)
-        if self._compile and getattr(self.model, "_compiled_call_impl", None) is None:
-            self.model.compile(backend="graphfuse")  # in place: Trainer still reads forward's signature
+        placed = _made(self.model, "model (pass model= or model_init=)")
+        sharded = shard(super().create_optimizer(model), placed, self.strategy)
+        if self._compile and getattr(placed, "_compiled_call_impl", None) is None:
+            placed.compile(backend="graphfuse")  # in place: Trainer still reads forward's signature
         self.optimizer = prepare_optimizer(self.accelerator, sharded)
         install(self.accelerator)  # Trainer clips, and norms what it logs, with accelerator.clip_grad_norm_
         return self.optimizer
@@ -85,20 +88,34 @@ class GraphfuseTrainer(Trainer):
         return prepare_model(self.accelerator, model)  # marked prepared: Trainer's accelerator.prepare adds no DDP
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        save(self.sharded_optimizer, os.path.join(output_dir, STATE_DIR), mode="balanced")  # every rank
+        save(
+            _made(self.sharded_optimizer, "optimizer"), os.path.join(output_dir, STATE_DIR), mode="balanced"
+        )  # every rank
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            torch.save(_made(self.lr_scheduler, "lr_scheduler").state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """graphfuse's checkpoint (any world size), or a plain Trainer's optimizer.pt (torch.optim's form)."""
         if checkpoint is None:
             return
+        optimizer = _made(self.sharded_optimizer, "optimizer")
         if os.path.isdir(os.path.join(checkpoint, STATE_DIR)):
-            load(self.sharded_optimizer, os.path.join(checkpoint, STATE_DIR))
+            load(optimizer, os.path.join(checkpoint, STATE_DIR))
         elif os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
             state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
-            self.sharded_optimizer.load_state_dict(state)
+            optimizer.load_state_dict(state)
         else:
             return
         if os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
-            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            scheduler = _made(self.lr_scheduler, "lr_scheduler")
+            scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+
+def _made(value: T | None, what: str) -> T:
+    """`value`, which Trainer sets before it saves, loads or builds the optimizer."""
+    if value is None:
+        raise UnsupportedError(
+            f"GraphfuseTrainer: no {what} yet; Trainer makes it in train() (create_optimizer_and_scheduler) "
+            "before it saves or resumes a checkpoint: call train() rather than these methods directly"
+        )
+    return value

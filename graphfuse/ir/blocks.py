@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from graphfuse.errors import GraphfuseError
+from graphfuse.errors import UnsupportedError
 from graphfuse.ir.layout import ParamInfo, itemsize
 
 # The first numbered module of an FQN ("transformer.h.3" of "transformer.h.3.attn.c_attn.weight").
@@ -32,14 +32,14 @@ def aligned_blocks(params: list[ParamInfo], rule: bool | str) -> dict[str, str]:
     dtype and param group: their kernels are the ones inductor can share) and hold at least
     MIN_ALIGNED_BLOCK_BYTES."""
     if not (isinstance(rule, bool) or rule == "auto"):
-        raise GraphfuseError(f"align_buckets_to_blocks must be True, False or 'auto', got {rule!r}")
+        raise UnsupportedError(f"Strategy.align_buckets_to_blocks must be True, False or 'auto', got {rule!r}")
     if rule is False:
         return {}
     members: dict[str, list[tuple]] = {}
     size: Counter[str] = Counter()
     for p in params:
         if (b := block_of(p.fqn)) is not None:
-            members.setdefault(b, []).append((p.fqn[len(b):], p.shape, p.dtype, p.group))
+            members.setdefault(b, []).append((p.fqn[len(b) :], p.shape, p.dtype, p.group))
             size[b] += p.numel * itemsize(p.dtype)
     if rule == "auto":
         shapes = {b: tuple(sorted(m)) for b, m in members.items()}

@@ -1,20 +1,22 @@
 """Bucket planning: pure arithmetic on shapes, dtypes and the gradient order.
 
 No FX and no process group here. Every offset, padding, shard and slice is decided once,
-in this file, and every other part of graphfuse reads it from the `BucketLayout`.
+in this file (graphfuse/ir/ownership.py places parameters updated whole), and every other
+part of graphfuse reads it from the `BucketLayout`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from graphfuse.errors import GraphfuseError
+from graphfuse.errors import ProgramFormatError, UnsupportedError
+from graphfuse.ir.boxes import Box, flat_boxes
+from graphfuse.ir.ownership import place
 
 FORMAT = 1
 
@@ -140,6 +142,10 @@ class Bucket:
                 out.append(Slice(s.fqn, a - lo, b - lo, a - s.offset))
         return tuple(out)
 
+    def owner(self, fqn: str) -> int:
+        """The rank whose shard holds the start of `fqn` (all of it, for a parameter updated whole)."""
+        return self.slot(fqn).offset // self.shard_size
+
     def slot(self, fqn: str) -> Slot:
         for s in self.slots:
             if s.fqn == fqn:
@@ -191,7 +197,10 @@ class BucketLayout:
     @classmethod
     def from_json(cls, d: dict) -> BucketLayout:
         if d.get("format") != FORMAT:
-            raise GraphfuseError(f"bucket layout format {d.get('format')!r} is not {FORMAT}; upgrade graphfuse")
+            raise ProgramFormatError(
+                f"bucket layout format {d.get('format')!r} is not {FORMAT}, the one this graphfuse reads; "
+                "load it with the graphfuse version that wrote it, or rebuild the program"
+            )
         ws = d["world_size"]
         buckets = tuple(
             Bucket(
@@ -208,43 +217,6 @@ class BucketLayout:
         return cls(ws, d["align_bytes"], d["bucket_bytes"], buckets)
 
 
-class Box(NamedTuple):
-    """Flat elements [start, stop) of a tensor that are its chunk at `offsets` of size `sizes`."""
-
-    start: int
-    stop: int
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-
-def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
-    """Split the flat element range [lo, hi) of a tensor of `shape` into the fewest boxes that
-    are each contiguous in the tensor, in order: at most 2·ndim−1 of them."""
-    if not shape:
-        return [Box(lo, hi, (), ())] if hi > lo else []
-    n = len(shape)
-    strides = [1] * n
-    for k in range(n - 2, -1, -1):
-        strides[k] = strides[k + 1] * shape[k + 1]
-    total = strides[0] * shape[0]
-    out, x = [], lo
-    while x < hi:
-        # The coarsest dimension k whose unit block starts at x and fits: the box ranges over
-        # dim k, is full in every later dim, and stays inside one block of dim k-1.
-        k = next(k for k in range(n) if x % strides[k] == 0 and x + strides[k] <= hi)
-        outer = total if k == 0 else strides[k - 1]
-        y = min(hi - (hi - x) % strides[k], (x // outer + 1) * outer)
-        index, rem = [], x
-        for s in strides:
-            index.append(rem // s)
-            rem %= s
-        offsets = tuple(index[: k + 1]) + (0,) * (n - k - 1)
-        sizes = (1,) * k + ((y - x) // strides[k],) + tuple(shape[k + 1 :])
-        out.append(Box(x, y, offsets, sizes))
-        x = y
-    return out
-
-
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -257,8 +229,34 @@ def _block_boundary(members: list[tuple[ParamInfo, int]], p: ParamInfo, blocks: 
     return here != blocks.get(members[-1][0].fqn) and here not in {blocks.get(m.fqn) for m, _ in members}
 
 
+def _bucket(
+    index: int, key: tuple, members: list[tuple[ParamInfo, int]], world_size: int, align: int, whole: Mapping[str, int]
+) -> Bucket:
+    """One bucket of `members` (param, aligned length): in the given order, or, for parameters
+    updated whole, each inside one rank's shard (graphfuse.ir.ownership.place)."""
+    dtype, device, group, owned = key
+    if owned:
+        at = place([n for _, n in members], [whole[p.fqn] for p, _ in members], world_size, align)
+        slots = [Slot(p.fqn, p.shape, off, p.numel, pad) for (p, _), off, pad in zip(members, at.offsets, at.padded)]
+        return Bucket(index, dtype, device, group, tuple(sorted(slots, key=lambda s: s.offset)), at.size, world_size)
+    slots, offset = [], 0
+    for p, padded in members:
+        slots.append(Slot(p.fqn, p.shape, offset, p.numel, padded))
+        offset += padded
+    size = _round_up(offset, world_size * align)
+    last = slots[-1]
+    slots[-1] = Slot(last.fqn, last.shape, last.offset, last.numel, last.padded + size - offset)
+    return Bucket(index, dtype, device, group, tuple(slots), size, world_size)
+
+
 def plan_buckets(
-    params: list[ParamInfo], world_size: int, align_bytes: int, bucket_bytes: int, *, blocks: Mapping[str, str] | None = None
+    params: list[ParamInfo],
+    world_size: int,
+    align_bytes: int,
+    bucket_bytes: int,
+    *,
+    blocks: Mapping[str, str] | None = None,
+    whole: Mapping[str, int] | None = None,
 ) -> BucketLayout:
     """Place `params`, given in the order backward produces their gradients, into buckets.
 
@@ -274,18 +272,41 @@ def plan_buckets(
     identical blocks lie at identical bucket offsets and inductor compiles one kernel for all of
     them; at other offsets each block's kernels differ (the offsets are constants in their code)
     and are compiled once per block.
+
+    `whole` (FQN -> the cost of its update) names the parameters whose update reads them whole:
+    they get buckets of their own, each parameter lying wholly in one rank's shard
+    (graphfuse.ir.ownership.place: owners balance the cost, padding is bounded).
     """
     if world_size < 1:
-        raise GraphfuseError(f"world_size must be >= 1, got {world_size}")
-    own = blocks or {}
-    open_: dict[tuple, list[tuple[ParamInfo, int]]] = {}  # key -> [(param, padded)]
-    closed: list[tuple[int, tuple, list[tuple[ParamInfo, int]]]] = []  # (ready position, key, members)
+        raise UnsupportedError(
+            f"plan_buckets: world_size must be >= 1, got {world_size}; pass the process group's size"
+        )
 
     def align_of(dtype: str) -> int:
         return max(1, align_bytes // itemsize(dtype))
 
+    closed = _fill(params, world_size, align_of, bucket_bytes, blocks or {}, whole or {})
+    buckets = [
+        _bucket(index, key, members, world_size, align_of(key[0]), whole or {})
+        for index, (_, key, members) in enumerate(closed)
+    ]
+    return BucketLayout(world_size, align_bytes, bucket_bytes, tuple(buckets))
+
+
+def _fill(
+    params: list[ParamInfo],
+    world_size: int,
+    align_of: Callable[[str], int],
+    bucket_bytes: int,
+    own: Mapping[str, str],
+    whole: Mapping[str, int],
+) -> list[tuple[int, tuple, list[tuple[ParamInfo, int]]]]:
+    """The closed buckets (ready position, key, [(param, padded length)]) in the order they are
+    ready: plan_buckets' grouping, cap and block boundaries."""
+    open_: dict[tuple, list[tuple[ParamInfo, int]]] = {}  # key -> [(param, padded)]
+    closed: list[tuple[int, tuple, list[tuple[ParamInfo, int]]]] = []
     for pos, p in enumerate(params):
-        key = (p.dtype, p.device, p.group)
+        key = (p.dtype, p.device, p.group, p.fqn in whole)
         padded = _round_up(max(p.numel, 1), align_of(p.dtype))
         members = open_.setdefault(key, [])
         used = sum(n for _, n in members)
@@ -302,15 +323,4 @@ def plan_buckets(
     # A bucket is ready when its last member's gradient is; sort by that position.
     position = {p.fqn: i for i, p in enumerate(params)}
     closed.sort(key=lambda c: max(position[p.fqn] for p, _ in c[2]))
-
-    buckets = []
-    for index, (_, (dtype, device, group), members) in enumerate(closed):
-        slots, offset = [], 0
-        for p, padded in members:
-            slots.append(Slot(p.fqn, p.shape, offset, p.numel, padded))
-            offset += padded
-        size = _round_up(offset, world_size * align_of(dtype))
-        last_slot = slots[-1]
-        slots[-1] = Slot(last_slot.fqn, last_slot.shape, last_slot.offset, last_slot.numel, last_slot.padded + size - offset)
-        buckets.append(Bucket(index, dtype, device, group, tuple(slots), size, world_size))
-    return BucketLayout(world_size, align_bytes, bucket_bytes, tuple(buckets))
+    return closed

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import cast
 
 import torch.fx
 
+from graphfuse.errors import GraphfuseError
+from graphfuse.ir.layout import BucketLayout
 from graphfuse.ir.signature import Signature
+from graphfuse.ir.state_plan import StatePlan
 from graphfuse.optim import OptimSpec
 from graphfuse.strategy import Strategy
-
-if TYPE_CHECKING:
-    from graphfuse.ir.layout import BucketLayout
-    from graphfuse.ir.state_plan import StatePlan
 
 
 @dataclass(frozen=True)
@@ -92,14 +91,35 @@ class Program:
     def graph(self) -> torch.fx.Graph:
         return self.graph_module.graph
 
+    @property
+    def bucket_layout(self) -> BucketLayout:
+        """`layout`, for code that runs only after plan_buckets set it."""
+        if self.layout is None:
+            raise GraphfuseError(
+                f"this program has no bucket layout (passes run: {', '.join(self.pass_names) or 'none'}): "
+                "run the graphfuse.passes pipeline (plan_buckets) on it first, as gf.compile does"
+            )
+        return self.layout
+
     def placeholders(self) -> list[torch.fx.Node]:
         return [n for n in self.graph.nodes if n.op == "placeholder"]
 
     def output_args(self) -> list[torch.fx.Node]:
-        return list(self.graph.output_node().args[0])
+        return output_nodes(self.graph)
 
     def node(self, name: str) -> torch.fx.Node:
         for n in self.graph.nodes:
             if n.name == name:
                 return n
         raise KeyError(name)
+
+
+def output_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The values a step's `graph` returns, in order (its output node's one tuple argument)."""
+    outputs = graph.output_node().args[0]
+    if not isinstance(outputs, (tuple, list)):
+        raise GraphfuseError(
+            f"the step's graph returns {type(outputs).__name__}, not a tuple of values: trace it again"
+        )
+    # FX types an argument as any Argument; a traced step returns graph values
+    return cast(list[torch.fx.Node], list(outputs))

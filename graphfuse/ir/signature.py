@@ -27,7 +27,9 @@ NEW_STATE = "new_state"
 NEW_BUFFER = "new_buffer"
 NEW_BUCKET = "new_bucket"
 NEW_SHARD = "new_shard"
-NEW_BUCKET_SHARD = "new_bucket_shard"  # this rank's shard of a bucket, written into that range of it (deferred all-gather)
+NEW_BUCKET_SHARD = (
+    "new_bucket_shard"  # this rank's shard of a bucket, written into that range of it (deferred all-gather)
+)
 OUTPUT_ROLES = (LOSS, GRAD_NORM, NEW_PARAM, NEW_STATE, NEW_BUFFER, NEW_BUCKET, NEW_SHARD, NEW_BUCKET_SHARD)
 RESULT_ROLES = (LOSS, GRAD_NORM)  # outputs returned to the caller, written back nowhere
 

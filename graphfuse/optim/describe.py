@@ -2,10 +2,12 @@
 (`describe_optimizer`), the checks between steps, and the update of one group (the rules
 themselves, one per optimizer, are in graphfuse.optim.rules).
 
-Every update reads only per-element values and per-group scalars, so the same function
-updates one parameter or a whole flat bucket shard. That is also why only elementwise
-optimizers are accepted: a shard may end inside one parameter and start another, and an
-update that reads a whole parameter (a norm, a matrix) would see a different tensor.
+Every elementwise update reads only per-element values and per-group scalars, so the same
+function updates one parameter or a whole flat bucket shard. An update that reads a whole
+parameter (Muon's; graphfuse.capture.tracing.reads_whole tells from its trace) would see
+another tensor on a shard that ends inside one parameter; such parameters are laid out whole
+in one rank's shard (graphfuse.ir.ownership) and updated one by one. The others (LBFGS,
+SparseAdam, Adafactor) are refused.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from graphfuse.errors import UnsupportedError
 from graphfuse.optim.rules import CLASSES
+from graphfuse.optim.several import Optimizers
 from graphfuse.optim.sharded_state import ShardedState
 from graphfuse.optim.spec import RULES, GroupSpec, OptimSpec
 
@@ -26,7 +29,6 @@ SUPPORTED = ", ".join(f"torch.optim.{name}" for name in CLASSES)
 NOT_ELEMENTWISE = {
     "LBFGS": "its step re-evaluates a closure and searches along a direction over all parameters",
     "SparseAdam": "it updates sparse gradients",
-    "Muon": "its update orthogonalises each weight matrix as a whole",
     "Adafactor": "it factors each matrix's second moment into row and column sums",
 }
 
@@ -39,8 +41,13 @@ def _float(value, what: str, cls_name: str) -> float:
     return float(value)
 
 
-# Hyper-parameters torch.optim takes as pairs, and the GroupSpec fields they fill.
-PAIRS = {"betas": ("beta1", "beta2"), "etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step_size_max")}
+# Hyper-parameters torch.optim takes as tuples, and the GroupSpec fields they fill.
+PAIRS = {
+    "betas": ("beta1", "beta2"),
+    "etas": ("etaminus", "etaplus"),
+    "step_sizes": ("step_size_min", "step_size_max"),
+    "ns_coefficients": ("ns_a", "ns_b", "ns_c"),
+}
 
 
 def _hyper(kind: str, cls_name: str, group: dict, g: int) -> dict:
@@ -48,10 +55,18 @@ def _hyper(kind: str, cls_name: str, group: dict, g: int) -> dict:
     out: dict = {}
     for key in RULES[kind].hyper:
         if key in PAIRS:
-            a, b = group[key]
-            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            values = tuple(group[key])
+            if any(isinstance(v, torch.Tensor) for v in values):
                 raise UnsupportedError(f"{cls_name} param group {g}: tensor {key} are not supported; pass floats")
-            out[PAIRS[key][0]], out[PAIRS[key][1]] = float(a), float(b)
+            if len(values) != len(PAIRS[key]):
+                raise UnsupportedError(
+                    f"{cls_name} param group {g}: {key} must be {len(PAIRS[key])} floats, got {values}"
+                )
+            out.update(zip(PAIRS[key], map(float, values)))
+        elif key == "adjust_lr_fn":
+            out[key] = group[key] or ""
+        elif key == "ns_steps":
+            out[key] = int(group[key])
         elif key == "decoupled":
             out[key] = bool(group.get("decoupled_weight_decay", cls_name == "AdamW"))
         elif isinstance(GroupSpec.__dataclass_fields__[key].default, bool):
@@ -68,13 +83,14 @@ def _check_class(optimizer: torch.optim.Optimizer) -> str:
         raise UnsupportedError(
             f"optimizer {cls.__module__}.{cls.__qualname__} is not supported: {NOT_ELEMENTWISE[name]}, while "
             "graphfuse updates flat shards that may cross parameter boundaries, so only elementwise updates "
-            f"are exact. Supported: {SUPPORTED}"
+            f"(and torch.optim.Muon's, whose matrices graphfuse keeps whole) are exact. Supported: {SUPPORTED}"
         )
     if name not in CLASSES or cls is not getattr(torch.optim, name, None):
         raise UnsupportedError(
             f"optimizer {cls.__module__}.{cls.__qualname__} is not supported; supported: {SUPPORTED} "
             "(exact classes, not subclasses, since a subclass may change the update; graphfuse updates flat "
-            "shards that may cross parameter boundaries, so only elementwise updates can be compiled)"
+            "shards that may cross parameter boundaries, so only elementwise updates, and the whole-matrix updates "
+            "graphfuse knows (torch.optim.Muon), can be compiled)"
         )
     return name
 
@@ -83,7 +99,10 @@ def _check_fresh(optimizer: torch.optim.Optimizer, cls_name: str) -> None:
     """No state yet; Adagrad creates its state in __init__, which is accepted while it is
     untouched and its accumulator starts at zero (graphfuse's states start at zero)."""
     for group in optimizer.param_groups:
-        if cls_name == "Adagrad" and _float(group["initial_accumulator_value"], "initial_accumulator_value", cls_name) != 0:
+        if (
+            cls_name == "Adagrad"
+            and _float(group["initial_accumulator_value"], "initial_accumulator_value", cls_name) != 0
+        ):
             raise UnsupportedError(
                 "Adagrad(initial_accumulator_value != 0) is not supported: graphfuse's optimizer states start "
                 "at zero; use initial_accumulator_value=0"
@@ -91,7 +110,9 @@ def _check_fresh(optimizer: torch.optim.Optimizer, cls_name: str) -> None:
     if isinstance(optimizer.state, ShardedState):  # its owner's shards hold the state (re-captured by it)
         return
     for state in optimizer.state.values():
-        fresh = cls_name == "Adagrad" and float(state.get("step", 0)) == 0 and not state.get("sum", torch.zeros(())).any()
+        fresh = (
+            cls_name == "Adagrad" and float(state.get("step", 0)) == 0 and not state.get("sum", torch.zeros(())).any()
+        )
         if len(state) and not fresh:
             raise UnsupportedError(
                 f"{cls_name} already has state (it has stepped); pass a fresh optimizer to gf.compile "
@@ -99,17 +120,29 @@ def _check_fresh(optimizer: torch.optim.Optimizer, cls_name: str) -> None:
             )
 
 
-def describe_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> OptimSpec:
+def describe_optimizer(optimizer: torch.optim.Optimizer | Optimizers, names: dict[int, str]) -> OptimSpec:
     """Validate `optimizer` and describe it; `names` maps id(parameter) to its canonical FQN.
+    Several optimizers (`Optimizers`) give one spec: their groups in order, their class names
+    joined by "+"; a parameter may be in only one of them.
 
     Raises UnsupportedError naming the class or option, before any state is touched.
     """
+    if isinstance(optimizer, Optimizers):
+        specs = [describe_optimizer(o, names) for o in optimizer.optimizers]
+        fqns = [f for spec in specs for g in spec.groups for f in g.params]
+        twice = sorted({f for f in fqns if fqns.count(f) > 1})
+        if twice:
+            raise UnsupportedError(
+                f"parameter(s) {', '.join(twice)} are in more than one of the optimizers; give each to one"
+            )
+        return OptimSpec("+".join(s.cls_name for s in specs), tuple(g for s in specs for g in s.groups))
     cls_name = _check_class(optimizer)
     _check_fresh(optimizer, cls_name)
     if any(group.get("fused") or group.get("foreach") for group in optimizer.param_groups):
         log.info(
             "graphfuse: %s(fused=/foreach=) only chooses torch's kernels; graphfuse runs its own fused "
-            "update, with the numerics of foreach=False", cls_name
+            "update, with the numerics of foreach=False",
+            cls_name,
         )
     groups = []
     seen: set[int] = set()
@@ -146,11 +179,12 @@ def check_group_unchanged(spec: GroupSpec, group: dict, g: int) -> None:
         if current[key] != traced[key]:
             pair = next((p for p, fields in PAIRS.items() if key in fields), None)
             if pair:
-                a, b = PAIRS[pair]
-                key, old, new = pair, (traced[a], traced[b]), (current[a], current[b])
+                key, old, new = pair, tuple(traced[f] for f in PAIRS[pair]), tuple(current[f] for f in PAIRS[pair])
             else:
                 old, new = traced[key], current[key]
-            may = "only lr" + (" and weight_decay" if "decay" in spec.scalar_names else "") + " may change between steps"
+            may = (
+                "only lr" + (" and weight_decay" if "decay" in spec.scalar_names else "") + " may change between steps"
+            )
             raise UnsupportedError(
                 f"param group {g}: {key} changed from {old} to {new} after gf.compile; {may}. "
                 "Re-run gf.compile to use the new value"

@@ -41,6 +41,7 @@ class ShardedState(Mapping):
     def __getitem__(self, p: torch.Tensor) -> dict:
         raise UnsupportedError(
             "optimizer.state[param]: graphfuse holds the optimizer state in shards across ranks (ZeRO-1), so no rank "
-            "has a parameter's whole state; read optimizer.state_dict() (gathered, a collective: call it on every rank), "
+            "has a parameter's whole state; read optimizer.state_dict() (gathered, a collective: call it on "
+            "every rank), "
             "or this rank's shards with DistModel.named_slices()"
         )

@@ -39,6 +39,11 @@ class GroupSpec:
     step_size_max: float = 0.0
     lambd: float = 0.0  # ASGD (with alpha)
     t0: float = 0.0  # ASGD
+    ns_a: float = 0.0  # Muon's Newton-Schulz coefficients (ns_coefficients), steps and lr adjustment
+    ns_b: float = 0.0
+    ns_c: float = 0.0
+    ns_steps: int = 0
+    adjust_lr_fn: str = ""  # "" for None
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -51,8 +56,8 @@ class GroupSpec:
 
     @property
     def has_step(self) -> bool:
-        """Whether torch.optim keeps a `step` state per parameter (all but SGD)."""
-        return self.kind != "sgd"
+        """Whether torch.optim keeps a `step` state per parameter (all but SGD and Muon)."""
+        return self.kind not in ("sgd", "muon")
 
     @property
     def carried_names(self) -> tuple[str, ...]:

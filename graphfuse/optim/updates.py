@@ -50,7 +50,9 @@ def adam_states(spec):
 
 def adam_host(spec, lr, wd, step, carried):
     s = float(step)
-    return _with_decay(spec, lr, wd, {"neg_step_size": -(lr / (1 - spec.beta1**s)), "bc2_sqrt": (1 - spec.beta2**s) ** 0.5})
+    return _with_decay(
+        spec, lr, wd, {"neg_step_size": -(lr / (1 - spec.beta1**s)), "bc2_sqrt": (1 - spec.beta2**s) ** 0.5}
+    )
 
 
 def adam(spec, param, grad, states, scalars):
@@ -87,7 +89,9 @@ def sgd(spec, param, grad, states, scalars):
 
 # ---- RMSprop --------------------------------------------------------------------------------
 def rmsprop_states(spec):
-    return ("square_avg",) + (("momentum_buffer",) if spec.momentum > 0 else ()) + (("grad_avg",) if spec.centered else ())
+    return (
+        ("square_avg",) + (("momentum_buffer",) if spec.momentum > 0 else ()) + (("grad_avg",) if spec.centered else ())
+    )
 
 
 def rmsprop(spec, param, grad, states, scalars):

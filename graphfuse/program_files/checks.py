@@ -51,7 +51,9 @@ def _tree(node, depth: int) -> None:
             raise Malformed("signature.batch_spec: a leaf has no children and no context")
         return
     if kind not in BATCH_TYPES:
-        raise Malformed(f"signature.batch_spec: unknown pytree type {short(kind)}; a batch is built of {', '.join(BATCH_TYPES)}")
+        raise Malformed(
+            f"signature.batch_spec: unknown pytree type {short(kind)}; a batch is built of {', '.join(BATCH_TYPES)}"
+        )
     if not isinstance(node["context"], str):
         raise Malformed("signature.batch_spec: a container's context must be a JSON string")
     for child in node["children_spec"]:
@@ -84,10 +86,16 @@ def _bucket(b, i: int, world_size: int, fqns: set[str]) -> None:
         raise Malformed(f"{where} must be an object with exactly {', '.join(sorted(keys))} and some params")
     dtype(b["dtype"])
     size = b["size"]
-    if not (isinstance(b["device"], str) and DEVICE.match(b["device"])) or type(b["group"]) is not int or b["group"] < 0:
+    if (
+        not (isinstance(b["device"], str) and DEVICE.match(b["device"]))
+        or type(b["group"]) is not int
+        or b["group"] < 0
+    ):
         raise Malformed(f"{where}: device must be a device type and group a param group index")
     if type(size) is not int or not 0 < size <= MAX_NUMEL or size % world_size:
-        raise Malformed(f"{where}: size {short(size)} must be a positive multiple of the world size {world_size}, at most 2^48")
+        raise Malformed(
+            f"{where}: size {short(size)} must be a positive multiple of the world size {world_size}, at most 2^48"
+        )
     offset = 0
     for p in b["params"]:
         if not (isinstance(p, list) and len(p) == 5 and isinstance(p[0], str) and all(type(x) is int for x in p[2:])):
@@ -97,8 +105,10 @@ def _bucket(b, i: int, world_size: int, fqns: set[str]) -> None:
         for n in dims(shape, f"{where} param {short(fqn)} shape"):
             count *= n
         if fqn in fqns or at != offset or numel != count or not numel <= padded:
-            raise Malformed(f"{where}: param {short(fqn)} (offset {at}, numel {numel}, padded {padded}) does not follow "
-                            f"the previous one at {offset}, or does not hold its shape, or appears twice")
+            raise Malformed(
+                f"{where}: param {short(fqn)} (offset {at}, numel {numel}, padded {padded}) does not follow "
+                f"the previous one at {offset}, or does not hold its shape, or appears twice"
+            )
         fqns.add(fqn)
         offset += padded
     if offset != size:
@@ -111,9 +121,15 @@ def inputs_fit(program: Program) -> None:
     tensor is made, so a file cannot make the runtime allocate what its graph does not use."""
     for node, spec in zip(program.placeholders(), program.signature.inputs):
         m, val = program.inputs_meta.get(spec.name), node.meta.get("val")
-        if m is not None and isinstance(val, torch.Tensor) and (tuple(val.shape), val.dtype) != (m.shape, dtype(m.dtype)):
-            raise Malformed(f"the placeholders do not match the signature's inputs: input {spec.name}: the graph records "
-                            f"{tuple(val.shape)} {val.dtype}, inputs_meta {m.shape} {m.dtype}")
+        if (
+            m is not None
+            and isinstance(val, torch.Tensor)
+            and (tuple(val.shape), val.dtype) != (m.shape, dtype(m.dtype))
+        ):
+            raise Malformed(
+                f"the placeholders do not match the signature's inputs: input {spec.name}: the graph records "
+                f"{tuple(val.shape)} {val.dtype}, inputs_meta {m.shape} {m.dtype}"
+            )
     layout, names = program.layout, set(program.signature.names(sig.BUCKET))
     if layout is None:
         if names or program.signature.names(sig.SHARD):
@@ -137,5 +153,7 @@ def inputs_fit(program: Program) -> None:
 def _fits(program: Program, name: str, shape: tuple[int, ...], dtypes: set[str]) -> None:
     m = program.inputs_meta.get(name)
     if m is None or m.shape != shape or m.dtype not in dtypes:
-        raise Malformed(f"input {name} is {None if m is None else (m.shape, m.dtype)}, but the bucket layout gives it "
-                        f"shape {shape} and dtype {' or '.join(sorted(dtypes))}")
+        raise Malformed(
+            f"input {name} is {None if m is None else (m.shape, m.dtype)}, but the bucket layout gives it "
+            f"shape {shape} and dtype {' or '.join(sorted(dtypes))}"
+        )

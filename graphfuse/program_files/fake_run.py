@@ -35,9 +35,12 @@ def check(program: Program, path: Path) -> None:
         ran = fake_values(program)
         check_values(program, ran)
     except Exception as e:  # whatever an operator raises on arguments it does not accept
-        raise ProgramFormatError(f"{path / GRAPH}: the graph does not run on fake tensors ({type(e).__name__}: {short(e)})") from None
+        raise ProgramFormatError(
+            f"{path / GRAPH}: the graph does not run on fake tensors ({type(e).__name__}: {short(e)})"
+        ) from None
     for node in program.graph.nodes:
         if "val" in node.meta and _shapes(ran.get(node)) != _shapes(node.meta["val"]):
             raise ProgramFormatError(
-                f"{path / GRAPH}: node {node.name}: meta records {_shapes(node.meta['val'])}, its operator gives {_shapes(ran.get(node))}"
+                f"{path / GRAPH}: node {node.name}: meta records {_shapes(node.meta['val'])}, its operator "
+                f"gives {_shapes(ran.get(node))}"
             )

@@ -23,8 +23,14 @@ FORMAT_VERSION = 2
 MANIFEST, PROGRAM, GRAPH, CONSTANTS = "manifest.json", "program.json", "graph.json", "constants.safetensors"
 FILES = (PROGRAM, GRAPH, CONSTANTS)  # what a manifest may list; manifest.json lists the others
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symbolic link"}
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symbolic link",
+}
 
 
 def open_dir(path: Path) -> int:
@@ -32,7 +38,9 @@ def open_dir(path: Path) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
-        raise ProgramFormatError(f"{path}: not a program directory ({e.strerror}); save one with gf.save_program") from None
+        raise ProgramFormatError(
+            f"{path}: not a program directory ({e.strerror}); save one with gf.save_program"
+        ) from None
 
 
 def read_file(dir_fd: int, path: Path, name: str, size: int | None = None) -> bytes:
@@ -43,7 +51,9 @@ def read_file(dir_fd: int, path: Path, name: str, size: int | None = None) -> by
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise ProgramFormatError(f"{where}: is a symbolic link; a program directory holds only regular files") from None
+            raise ProgramFormatError(
+                f"{where}: is a symbolic link; a program directory holds only regular files"
+            ) from None
         raise ProgramFormatError(f"{where}: cannot read the file ({e.strerror}); the program is incomplete") from None
     try:
         st = os.fstat(fd)
@@ -51,7 +61,9 @@ def read_file(dir_fd: int, path: Path, name: str, size: int | None = None) -> by
             kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
             raise ProgramFormatError(f"{where}: is {kind}; a program directory holds only regular files")
         if st.st_size > MAX_BYTES[name]:
-            raise ProgramFormatError(f"{where}: {st.st_size:,} bytes, more than the limit {MAX_BYTES[name]:,} for this file")
+            raise ProgramFormatError(
+                f"{where}: {st.st_size:,} bytes, more than the limit {MAX_BYTES[name]:,} for this file"
+            )
         if size is not None and st.st_size != size:
             how = "truncated" if st.st_size < size else "altered"
             raise ProgramFormatError(f"{where}: {how}: {st.st_size} bytes, the manifest says {size}")
@@ -68,6 +80,7 @@ def read_file(dir_fd: int, path: Path, name: str, size: int | None = None) -> by
 
 def parse_json(path: Path, data: bytes):
     """Strict JSON (no NaN or Infinity) of a file; any defect names the file."""
+
     def no_constant(name):
         raise ValueError(f"non-standard JSON constant {name}")
 
@@ -84,7 +97,9 @@ def read_manifest(dir_fd: int, path: Path) -> dict:
     try:
         os.stat(MANIFEST, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
-        raise ProgramFormatError(f"{path}: not a program directory (no {MANIFEST}); save one with gf.save_program") from None
+        raise ProgramFormatError(
+            f"{path}: not a program directory (no {MANIFEST}); save one with gf.save_program"
+        ) from None
     except OSError:
         pass  # read_file names the cause
     manifest = parse_json(where, read_file(dir_fd, path, MANIFEST))
@@ -100,13 +115,22 @@ def read_manifest(dir_fd: int, path: Path) -> dict:
         )
     listed = manifest.get("files")
     if not isinstance(listed, dict) or not set(listed) <= set(FILES) or not {PROGRAM, GRAPH} <= set(listed):
-        raise ProgramFormatError(f"{where}: 'files' must list {PROGRAM}, {GRAPH} and optionally {CONSTANTS}, nothing else")
+        raise ProgramFormatError(
+            f"{where}: 'files' must list {PROGRAM}, {GRAPH} and optionally {CONSTANTS}, nothing else"
+        )
     for name, entry in listed.items():
-        if not (isinstance(entry, dict) and set(entry) == {"bytes", "sha256"} and type(entry["bytes"]) is int
-                and isinstance(entry["sha256"], str) and _HEX64.match(entry["sha256"])):
+        if not (
+            isinstance(entry, dict)
+            and set(entry) == {"bytes", "sha256"}
+            and type(entry["bytes"]) is int
+            and isinstance(entry["sha256"], str)
+            and _HEX64.match(entry["sha256"])
+        ):
             raise ProgramFormatError(f"{where}: the entry of {name} must be {{bytes, sha256}}")
         if not 0 <= entry["bytes"] <= MAX_BYTES[name]:
-            raise ProgramFormatError(f"{where}: {name} is listed at {entry['bytes']:,} bytes; the limit is {MAX_BYTES[name]:,}")
+            raise ProgramFormatError(
+                f"{where}: {name} is listed at {entry['bytes']:,} bytes; the limit is {MAX_BYTES[name]:,}"
+            )
     return manifest
 
 
@@ -127,7 +151,9 @@ def manifest_bytes(files: dict[str, bytes], torch_version: str, graphfuse_versio
         "version": FORMAT_VERSION,
         "torch_version": torch_version,
         "graphfuse_version": graphfuse_version,
-        "files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()},
+        "files": {
+            name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()
+        },
     }
     return json_bytes(manifest)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import keyword
 import operator
+import re
 
 import torch
 import torch.fx
@@ -12,6 +13,7 @@ import torch.fx
 from graphfuse.errors import UnsupportedError
 from graphfuse.ir import signature as sig
 from graphfuse.ir.layout import BucketLayout
+from graphfuse.passes.graph import PASS_META
 
 from .layers import describe
 from .limits import MAX_NODES
@@ -20,10 +22,13 @@ from .values import Decoder, Malformed, encode, short
 
 NODE_KEYS = ("name", "op", "target", "args", "kwargs", "meta")
 PHASES = (sig.FORWARD, sig.BACKWARD, sig.OPTIMIZER, sig.COMM)
+PASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # meta "pass": a pass's NAME
 CONSTANTS = "constants.safetensors"
 
 
-def graph_to_json(gm: torch.fx.GraphModule, layout: BucketLayout | None = None) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def graph_to_json(
+    gm: torch.fx.GraphModule, layout: BucketLayout | None = None
+) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """The node records of `gm` and the tensors its get_attr nodes read. Only data is kept:
     the phase and result meta of each node; the placeholders' roles are the signature's.
     `layout` names the layer of a node that cannot be saved."""
@@ -38,13 +43,19 @@ def graph_to_json(gm: torch.fx.GraphModule, layout: BucketLayout | None = None) 
         elif n.op == "get_attr":
             value = operator.attrgetter(n.target)(gm)
             if not isinstance(value, torch.Tensor):
-                raise UnsupportedError(f"cannot save {where}: get_attr {n.target} is a {type(value).__qualname__}, not a tensor")
+                raise UnsupportedError(
+                    f"cannot save {where}: get_attr {n.target} is a {type(value).__qualname__}, not a tensor"
+                )
             constants[n.target] = value.detach().cpu().contiguous().clone()
         elif n.op not in ("placeholder", "output"):
-            raise UnsupportedError(f"cannot save {where}: {n.op} nodes are not supported; a program graph is aten-level")
+            raise UnsupportedError(
+                f"cannot save {where}: {n.op} nodes are not supported; a program graph is aten-level"
+            )
         meta = {}
         if "phase" in n.meta:
             meta["phase"] = n.meta["phase"]
+        if PASS_META in n.meta:
+            meta["pass"] = n.meta[PASS_META]
         if "val" in n.meta:
             meta["val"] = encode(n.meta["val"], f"{where} meta['val']")
         args = [encode(a, where) for a in n.args]
@@ -73,7 +84,8 @@ def graph_from_json(doc, constants: dict[str, torch.Tensor], version: int) -> to
     nodes = doc["nodes"]
     if len(nodes) > MAX_NODES:
         raise Malformed(f"{len(nodes)} nodes, more than the limit {MAX_NODES}")
-    graph, dec, attrs = torch.fx.Graph(), Decoder(), {}
+    graph, dec = torch.fx.Graph(), Decoder()
+    attrs: dict[str, torch.Tensor] = {}  # get_attr target -> its constant
     for i, rec in enumerate(nodes):
         name = rec.get("name") if isinstance(rec, dict) else None
         try:
@@ -135,7 +147,7 @@ def _node(graph: torch.fx.Graph, dec: Decoder, rec, constants: dict, attrs: dict
 def _meta(meta, dec: Decoder, version: int) -> dict:
     # Version 1 files also hold each placeholder's `gf_input`: a copy of the signature's input
     # spec, checked against it (verify) once the program is assembled. Version 2 derives it.
-    keys = {"phase", "val"} | ({"gf_input"} if version == 1 else set())
+    keys = {"phase", "pass", "val"} | ({"gf_input"} if version == 1 else set())
     if not isinstance(meta, dict) or not set(meta) <= keys:
         raise Malformed(f"invalid meta {short(meta)}")
     out = {}
@@ -143,6 +155,10 @@ def _meta(meta, dec: Decoder, version: int) -> dict:
         if meta["phase"] not in PHASES:
             raise Malformed(f"unknown phase {short(meta['phase'])}")
         out["phase"] = meta["phase"]
+    if "pass" in meta:
+        if not (isinstance(meta["pass"], str) and PASS_NAME.fullmatch(meta["pass"])):
+            raise Malformed(f"meta pass must be a pass's name (an identifier), got {short(meta['pass'])}")
+        out[PASS_META] = meta["pass"]
     if "gf_input" in meta:
         v = meta["gf_input"]
         if not (isinstance(v, list) and len(v) == 2 and v[0] in sig.INPUT_ROLES and isinstance(v[1], str)):

@@ -59,7 +59,12 @@ def program_from_json(doc, gm: torch.fx.GraphModule) -> Program:
     """The Program of a version 2 program.json and its graph; raises Malformed naming the field."""
     d = _fields(doc, "program.json", KEYS)
     world_size, rank, group_name, passes = d["world_size"], d["rank"], d["group_name"], d["passes"]
-    if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE or type(rank) is not int or not 0 <= rank < world_size:
+    if (
+        type(world_size) is not int
+        or not 1 <= world_size <= MAX_WORLD_SIZE
+        or type(rank) is not int
+        or not 0 <= rank < world_size
+    ):
         raise Malformed(f"rank {short(rank)} of world size {short(world_size)} is not a rank of that world")
     if not isinstance(group_name, str) or len(group_name) > 256:
         raise Malformed("group_name must be a string")
@@ -100,10 +105,16 @@ def _signature(d) -> sig.Signature:
     ):
         raise Malformed(f"signature.inputs must be a list of [role, name] with a role of {', '.join(sig.INPUT_ROLES)}")
     if not isinstance(outputs, list) or not all(
-        isinstance(x, list) and len(x) == 3 and x[0] in sig.OUTPUT_ROLES and isinstance(x[1], str) and (x[2] is None or isinstance(x[2], str))
+        isinstance(x, list)
+        and len(x) == 3
+        and x[0] in sig.OUTPUT_ROLES
+        and isinstance(x[1], str)
+        and (x[2] is None or isinstance(x[2], str))
         for x in outputs
     ):
-        raise Malformed(f"signature.outputs must be a list of [role, name, target] with a role of {', '.join(sig.OUTPUT_ROLES)}")
+        raise Malformed(
+            f"signature.outputs must be a list of [role, name, target] with a role of {', '.join(sig.OUTPUT_ROLES)}"
+        )
     spec = d["batch_spec"]
     if not isinstance(spec, str):
         raise Malformed("signature.batch_spec must be a string")
@@ -119,7 +130,9 @@ def _signature(d) -> sig.Signature:
 
 def _optim(d) -> OptimSpec:
     d = _fields(d, "optim", ("cls_name", "groups"))
-    if d["cls_name"] not in OPTIMIZERS:
+    if not isinstance(d["cls_name"], str) or not set(d["cls_name"].split("+")) <= set(
+        OPTIMIZERS
+    ):  # "Muon+AdamW": several
         raise Malformed(f"unknown optimizer {short(d['cls_name'])}; one of {', '.join(OPTIMIZERS)}")
     if not isinstance(d["groups"], list):
         raise Malformed("optim.groups must be a list")
@@ -155,7 +168,11 @@ def _inputs_meta(d) -> dict[str, TensorMeta]:
 
 def _strategy(d) -> Strategy:
     fields = {f.name for f in dataclasses.fields(Strategy)}
-    if not isinstance(d, dict) or not set(d) <= fields or not all(v is None or type(v) in (bool, int, float, str) for v in d.values()):
+    if (
+        not isinstance(d, dict)
+        or not set(d) <= fields
+        or not all(v is None or type(v) in (bool, int, float, str) for v in d.values())
+    ):
         raise Malformed(f"strategy must be an object of plain values with keys among {', '.join(sorted(fields))}")
     if d.get("master_dtype") is not None:
         dtype(d["master_dtype"])
@@ -163,5 +180,3 @@ def _strategy(d) -> Strategy:
         return Strategy.from_json(d)
     except (GraphfuseError, TypeError, ValueError) as e:
         raise Malformed(f"invalid strategy: {short(e)}") from None
-
-

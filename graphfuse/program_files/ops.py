@@ -8,7 +8,8 @@ gradients without naming each. EXPLICIT names the rest, by operator name: what t
 training steps contain after every pass outside those families (`tools/list_program_ops.py`
 prints the ops of the tests' models), including torch.nn layers the families miss (dropout's
 `bernoulli`, GPT-2's causal mask `ones` and `tril`, GLU, Hardswish, PReLU, LogSigmoid,
-adaptive max pooling, the LSTM's CPU kernel), the attention kernels (the CUDA ones seen on an
+adaptive max pooling, the LSTM's CPU kernel), Muon's Newton-Schulz (`linalg_vector_norm`, and
+`baddbmm` where CUDA batches it), the attention kernels (the CUDA ones seen on an
 H200 with torch 2.11), MoE routing, and the collectives the passes emit.
 
 Whatever admits a name, an overload is refused unless its schema is functional: it mutates no
@@ -29,8 +30,10 @@ import torch
 from .values import IDENT, Malformed
 
 EXPLICIT: dict[str, frozenset[str]] = {
-    "aten": frozenset("""
-        _grouped_mm _log_softmax_backward_data _native_batch_norm_legit_functional _prelu_kernel _safe_softmax
+    "aten": frozenset(
+        """
+        _grouped_mm _log_softmax_backward_data baddbmm linalg_vector_norm _native_batch_norm_legit_functional
+        _prelu_kernel _safe_softmax
         _scaled_dot_product_cudnn_attention _scaled_dot_product_cudnn_attention_backward
         _scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward
         _scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_for_cpu
@@ -39,7 +42,8 @@ EXPLICIT: dict[str, frozenset[str]] = {
         native_batch_norm_backward new_empty new_zeros nll_loss_forward
         ones ones_like pixel_shuffle pixel_unshuffle reshape split stack t transpose tril unbind
         zeros zeros_like
-    """.split()),
+    """.split()
+    ),
     # The collectives the passes emit: one reduce-scatter and one all-gather per bucket, the
     # clip norm's all-reduce, and the waits.
     "_c10d_functional": frozenset({"all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "wait_tensor"}),
@@ -50,10 +54,16 @@ BUILTINS: dict[str, Any] = {"operator.getitem": operator.getitem}
 FAMILY_TAGS = frozenset({torch.Tag.core, torch.Tag.pointwise})
 # An overload with one of these is no family member: it draws random numbers, has a shape or
 # result that depends on tensor values, or writes into its arguments.
-OUTSIDE_FAMILIES = frozenset({
-    torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
-    torch.Tag.inplace, torch.Tag.inplace_view, torch.Tag.out,
-})
+OUTSIDE_FAMILIES = frozenset(
+    {
+        torch.Tag.nondeterministic_seeded,
+        torch.Tag.dynamic_output_shape,
+        torch.Tag.data_dependent_output,
+        torch.Tag.inplace,
+        torch.Tag.inplace_view,
+        torch.Tag.out,
+    }
+)
 # Family members kept out by name: uninitialised memory, and views at any stride and offset.
 NOT_IN_FAMILIES = ("empty", "new_empty", "_empty", "as_strided")
 BACKWARD = "_backward"
@@ -156,16 +166,22 @@ def resolve_target(name) -> Any:
         return BUILTINS[name]
     parts = name.split(".") if isinstance(name, str) else []
     if len(parts) != 3 or not all(IDENT.match(p) and not p.startswith("__") for p in parts):
-        raise Malformed(f"unknown operator {name!r}: a program file may call only the operators of the allowlist "
-                        "(docs/program-format.md, graphfuse/program_files/ops.py)")
+        raise Malformed(
+            f"unknown operator {name!r}: a program file may call only the operators of the allowlist "
+            "(docs/program-format.md, graphfuse/program_files/ops.py)"
+        )
     namespace, packet_name, overload = parts
     packet = _packet(namespace, packet_name)
     op = getattr(packet, overload, None) if packet is not None else None
     if not isinstance(op, torch._ops.OpOverload) or str(op) != name:
         if _admitted_name(namespace, packet_name):
-            raise Malformed(f"unknown operator {name!r}: this torch ({torch.__version__}) has no such operator overload")
+            raise Malformed(
+                f"unknown operator {name!r}: this torch ({torch.__version__}) has no such operator overload"
+            )
         op = None
     if op is None or not admitted(op):
-        raise Malformed(f"unknown operator {name!r}: a program file may call only the operators of the allowlist "
-                        "(functional overloads of the families and names in docs/program-format.md, graphfuse/program_files/ops.py)")
+        raise Malformed(
+            f"unknown operator {name!r}: a program file may call only the operators of the allowlist "
+            "(functional overloads of the families and names in docs/program-format.md, graphfuse/program_files/ops.py)"
+        )
     return op

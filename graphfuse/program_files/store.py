@@ -9,7 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 from graphfuse._version import __version__
 from graphfuse.errors import GraphfuseError, ProgramFormatError, UnsupportedError
@@ -37,22 +39,35 @@ from .values import Malformed, short
 
 T = TypeVar("T")
 # What decoding a damaged file can raise besides Malformed; each becomes a ProgramFormatError.
-_DECODE_ERRORS = (Malformed, GraphfuseError, LookupError, TypeError, ValueError, AttributeError, RecursionError, OverflowError, RuntimeError)
+_DECODE_ERRORS = (
+    Malformed,
+    GraphfuseError,
+    LookupError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    RecursionError,
+    OverflowError,
+    RuntimeError,
+)
 
 
 def save_program(program: Program, path: str | os.PathLike) -> None:
     """Write `program` to the directory `path` (replaced atomically if it holds a program)."""
     nodes, constants = graph_to_json(program.graph_module, program.layout)
     # One node per line: readable, and a diff of two programs is a diff of their nodes.
-    graph = ('{"nodes": [\n' + ",\n".join(json.dumps(n, allow_nan=False, ensure_ascii=False) for n in nodes) + "\n]}\n").encode()
+    graph = (
+        '{"nodes": [\n' + ",\n".join(json.dumps(n, allow_nan=False, ensure_ascii=False) for n in nodes) + "\n]}\n"
+    ).encode()
     files = {PROGRAM: json_bytes(program_to_json(program)), GRAPH: graph}
     if constants:
-        from safetensors.torch import save
-
-        files[CONSTANTS] = save(constants)
+        files[CONSTANTS] = safetensors.torch.save(constants)
     for name, data in files.items():
         if len(data) > MAX_BYTES[name]:
-            raise UnsupportedError(f"cannot save the program: its {name} would be {len(data):,} bytes, over the format's limit {MAX_BYTES[name]:,}")
+            raise UnsupportedError(
+                f"cannot save the program: its {name} would be {len(data):,} bytes, over the format's limit "
+                f"{MAX_BYTES[name]:,}"
+            )
     files[MANIFEST] = manifest_bytes(files, torch.__version__, __version__)
     write_dir(Path(path), files)
 
@@ -96,11 +111,8 @@ def _decoding(where: Path, decode: Callable[[], T]) -> T:
 def _constants(where: Path, data: bytes | None) -> dict[str, torch.Tensor]:
     if data is None:
         return {}
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
     try:
-        return load(data)
+        return safetensors.torch.load(data)
     except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as e:
         raise ProgramFormatError(f"{where}: not a safetensors file ({short(e)})") from None
 
@@ -130,6 +142,7 @@ def _with_state_plan(program: Program, path: Path) -> Program:
         serializer.ensures(program)
     except Exception as e:  # the pass's contract checks, or anything the checked data still breaks
         raise ProgramFormatError(
-            f"{path / PROGRAM}: the checkpoint state plan cannot be derived from the layout and signature ({type(e).__name__}: {short(e)})"
+            f"{path / PROGRAM}: the checkpoint state plan cannot be derived from the layout and signature "
+            f"({type(e).__name__}: {short(e)})"
         ) from None
     return program

@@ -41,7 +41,14 @@ def encode(value, where: str) -> dict:
     if isinstance(value, torch.fx.Node):
         return {"node": value.name}
     if isinstance(value, torch.Tensor):  # only meta values: shape, stride, dtype and device
-        return {"tensor": {"shape": list(value.shape), "stride": list(value.stride()), "dtype": enum_name(value.dtype), "device": str(value.device)}}
+        return {
+            "tensor": {
+                "shape": list(value.shape),
+                "stride": list(value.stride()),
+                "dtype": enum_name(value.dtype),
+                "device": str(value.device),
+            }
+        }
     if value is None:
         return {"none": None}
     if type(value) in (bool, int, str):
@@ -55,7 +62,9 @@ def encode(value, where: str) -> dict:
             return {kind: enum_name(value)}
     if isinstance(value, torch.device):
         return {"device": str(value)}
-    raise UnsupportedError(f"cannot save {where}: a value of type {type(value).__qualname__} has no program-file encoding")
+    raise UnsupportedError(
+        f"cannot save {where}: a value of type {type(value).__qualname__} has no program-file encoding"
+    )
 
 
 def torch_enum(name, cls: type, what: str):

@@ -21,7 +21,7 @@ def batch_key(batch) -> tuple:
 def flatten_batch(batch) -> tuple[tuple, list[torch.Tensor]]:
     """(`batch_key(batch)`, the batch's tensor leaves in order), with one flatten."""
     leaves, spec = pytree.tree_flatten(batch)
-    key = []
+    key: list[TensorMeta | tuple[str, str]] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             key.append(tensor_meta(leaf))
@@ -59,5 +59,6 @@ def check_batch(key: tuple) -> None:
         if isinstance(leaf, TensorMeta) and leaf.shape and leaf.shape[0] == 0:
             raise UnsupportedError(
                 f"batch leaf {i} has shape {leaf.shape}: an empty batch, whose mean loss and gradients are "
-                "undefined. Skip empty batches (for example DataLoader(..., drop_last=True)) before calling the DistModel"
+                "undefined. Skip empty batches (for example DataLoader(..., drop_last=True)) before calling the "
+                "DistModel"
             )

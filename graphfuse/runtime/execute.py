@@ -42,7 +42,7 @@ def bind_tensors(
     parameter at its view in its bucket. Returns every persistent input by name. The host
     scalars are 0-d CPU tensors, or 0-d tensors on `scalar_device` for a step replayed from a
     CUDA graph (Strategy.cuda_graphs), which would bake a CPU scalar's value in at capture."""
-    layout, tensors = program.layout, {}
+    layout, tensors = program.bucket_layout, {}
     buckets = {b.name: b for b in layout.buckets}
     with torch.no_grad():
         for bucket in layout.buckets:
@@ -51,7 +51,7 @@ def bind_tensors(
             for s in bucket.slots:
                 flat[slice(*s.data_range)].copy_(params[s.fqn].detach().reshape(-1))
             if layout.world_size > 1:  # every rank starts from rank 0's weights, as DDP does
-                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+                dist.broadcast(flat, group=group, group_src=0)
             for s in bucket.slots:
                 params[s.fqn].data = flat[slice(*s.data_range)].view(s.shape)
             tensors[bucket.name] = flat
@@ -109,10 +109,10 @@ def run_step(
         outs = fn(*arguments(program, tensors, per_call))
     if not getattr(fn, "writes_in_place", False):
         with torch.no_grad():
-            for spec, out in zip(program.signature.outputs, outs):
-                if spec.target is not None:
-                    destination(program, tensors, spec).copy_(out)
-        outs = [out for spec, out in zip(program.signature.outputs, outs) if spec.target is None]
+            for output, out in zip(program.signature.outputs, outs):
+                if output.target is not None:
+                    destination(program, tensors, output).copy_(out)
+        outs = [out for output, out in zip(program.signature.outputs, outs) if output.target is None]
     carried[:] = [spec.carried_after(*hyper[g], steps[g]) for g, spec in enumerate(program.optim.groups)]
     return outs
 
@@ -121,12 +121,12 @@ def refresh_masters(program: Program, tensors: dict[str, torch.Tensor], fqns: se
     """Copy the weights of `fqns` into this rank's fp32 master shards (weights loaded by a plain
     model.load_state_dict, which the update would otherwise overwrite from the old masters)."""
     with torch.no_grad():
-        for bucket in program.layout.buckets:
+        for bucket in program.bucket_layout.buckets:
             master = tensors.get(f"{bucket.name}.{MASTER}")
             if master is None:
                 continue
             for s in bucket.slices(program.rank):
                 if s.fqn in fqns:
-                    master[slice(*s.shard_range)].copy_(tensors[bucket.name][slice(*bucket.bucket_range(program.rank, s))])
-
-
+                    master[slice(*s.shard_range)].copy_(
+                        tensors[bucket.name][slice(*bucket.bucket_range(program.rank, s))]
+                    )

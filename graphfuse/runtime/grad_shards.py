@@ -44,7 +44,9 @@ def reduce_scatter_grads(
     return shards
 
 
-def clip_shards(shards: list[torch.Tensor], max_norm: float, norm_type: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+def clip_shards(
+    shards: list[torch.Tensor], max_norm: float, norm_type: float, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """The `norm_type`-norm of all ranks' shards together (padding is zero and adds nothing),
     one all-reduce; every shard scaled in place by min(1, max_norm / (norm + 1e-6))."""
     norm_type = float(norm_type)
@@ -53,7 +55,10 @@ def clip_shards(shards: list[torch.Tensor], max_norm: float, norm_type: float, g
         total = torch.stack([s.abs().max().float() for s in shards]).max() if shards else torch.zeros((), device=device)
         op = dist.ReduceOp.MAX
     else:
-        total = sum((torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in shards), torch.zeros((), device=device))
+        total = sum(
+            (torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in shards),
+            torch.zeros((), device=device),
+        )
         op = dist.ReduceOp.SUM
     if group is not None and dist.get_world_size(group) > 1:
         host = total.device.type != "cpu" and "nccl" not in str(dist.get_backend(group))

@@ -87,12 +87,14 @@ class Snapshot:
                 raise UnsupportedError(
                     f"parameter {s.fqn} was replaced by another tensor after {self.how} (model.load_state_dict("
                     "assign=True), or a new nn.Parameter assigned), so the compiled step no longer trains the model's "
-                    f"parameter; load weights in place (model.load_state_dict without assign, or dm.load_state_dict), or {self.rebuild}"
+                    f"parameter; load weights in place (model.load_state_dict without assign, or "
+                    f"dm.load_state_dict), or {self.rebuild}"
                 )
             if p.dtype != s.dtype or p.data_ptr() != s.data_ptr:
                 raise UnsupportedError(
                     f"parameter {s.fqn} no longer views its bucket: its data was replaced after {self.how} "
-                    f"({_was(s.dtype, p.dtype)}model.double(), .to(), .half() or `p.data = ...`), so the model would stop "
+                    f"({_was(s.dtype, p.dtype)}model.double(), .to(), .half() or `p.data = ...`), so the model "
+                    f"would stop "
                     f"showing the trained weights; move or convert the model before {self.how}, or {self.rebuild}"
                 )
             if p.requires_grad != s.requires_grad and id(p) in self.optimized:
@@ -104,8 +106,10 @@ class Snapshot:
 
     def _check_optimizer(self) -> None:
         opt, name = self.optimizer, type(self.optimizer).__name__
-        if opt.param_groups is not self.groups_list or opt.state is not self.state or any(
-            a is not b for a, b in zip(opt.param_groups, self.groups)
+        if (
+            opt.param_groups is not self.groups_list
+            or opt.state is not self.state
+            or any(a is not b for a, b in zip(opt.param_groups, self.groups))
         ):
             raise UnsupportedError(
                 f"{name}.param_groups or its state were replaced after {self.how} (assigned a new object); "
@@ -113,7 +117,11 @@ class Snapshot:
                 f"state with optimizer.load_state_dict or gf.load, which load into the shards; else {self.rebuild}"
             )
         if len(opt.param_groups) != len(self.groups):
-            what = "added (add_param_group)" if len(opt.param_groups) > len(self.groups) else "removed (param_groups.pop())"
+            what = (
+                "added (add_param_group)"
+                if len(opt.param_groups) > len(self.groups)
+                else "removed (param_groups.pop())"
+            )
             raise UnsupportedError(
                 f"{name} has {len(opt.param_groups)} param groups, {len(self.groups)} when {self.how} traced it: "
                 f"a group was {what}, which the compiled update would ignore; {self.rebuild}"
@@ -127,7 +135,6 @@ class Snapshot:
                     f"{name} param group {g} changed after {self.how} (removed: {gone or 'none'}; added: "
                     f"{new or 'none'}; else reordered); the compiled update still covers the old list. {self.rebuild}"
                 )
-
 
     def _check_mode(self) -> None:
         """train()/eval() is Python state the trace froze (dropout, batch norm): warn once."""

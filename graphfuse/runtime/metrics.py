@@ -30,7 +30,9 @@ class StepMetrics:
         return out
 
 
-def measure(step: int, called: float, previous: float | None, leaves: list, grad_norm: torch.Tensor | None) -> StepMetrics:
+def measure(
+    step: int, called: float, previous: float | None, leaves: list, grad_norm: torch.Tensor | None
+) -> StepMetrics:
     """The metrics of the step called at `called` (perf_counter), after one called at `previous`."""
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     samples = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else None

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from graphfuse.errors import UnsupportedError
+from graphfuse.errors import GraphfuseError, UnsupportedError
 from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program
 from graphfuse.ranks import all_gather_flat
@@ -48,11 +48,13 @@ class ParamState:
             self._tracing -= 1
 
 
-def gather_shards(program: Program, tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None, host: bool) -> None:
+def gather_shards(
+    program: Program, tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None, host: bool
+) -> None:
     """All-gather every rank's shard of each bucket into the whole bucket, in place (through a
     host copy with `host`: Gloo over CUDA tensors)."""
     with torch.no_grad():
-        for bucket in program.layout.buckets:
+        for bucket in program.bucket_layout.buckets:
             flat = tensors[bucket.name]
             work = flat.cpu() if host else flat
             shard = work[slice(*bucket.shard_range(program.rank))].clone()
@@ -64,7 +66,10 @@ def gather_shards(program: Program, tensors: dict[str, torch.Tensor], group: dis
 def destination(program: Program, tensors: dict[str, torch.Tensor], spec: sig.OutputSpec) -> torch.Tensor:
     """Where output `spec` is written: its target input, or for a bucket's shard (deferred
     all-gather) this rank's range of the bucket."""
+    target = spec.target
+    if target is None:
+        raise GraphfuseError(f"output {spec.name!r} ({spec.role}) replaces no input, so it has no destination")
     if spec.role == sig.NEW_BUCKET_SHARD:
-        bucket = next(b for b in program.layout.buckets if b.name == spec.target)
-        return tensors[spec.target][slice(*bucket.shard_range(program.rank))]
-    return tensors[spec.target]
+        bucket = next(b for b in program.bucket_layout.buckets if b.name == target)
+        return tensors[target][slice(*bucket.shard_range(program.rank))]
+    return tensors[target]

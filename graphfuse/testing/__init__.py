@@ -1,2 +1,2 @@
-"""What the demo, the benchmarks and the tests share: spawning real process groups (launch) and the
-small GPT (models)."""
+"""What the demo, the benchmarks and the tests share: spawning real process groups (launch), the
+small GPT (models) and per-rank progress files (progress)."""

@@ -14,14 +14,17 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from graphfuse.errors import GraphfuseError
 
 # What a rank sees when a *peer* failed: its connections close or time out. Such an error is
 # a consequence, never the root cause, when another rank failed on its own.
@@ -65,37 +68,70 @@ class Outcome:
         return f"rank {self.rank} failed:\n{self.value}"
 
 
-class RankFailure(AssertionError):
-    """A rank failed. `rank` and `traceback` are the root cause's: the earliest failure that is
-    not a lost connection; `others` describes every other rank that failed."""
+class RankFailure(GraphfuseError):
+    """A rank failed, died, hung past the timeout or did not exit cleanly. `rank` and `traceback`
+    are the root cause's: the earliest failure that is not a lost connection; `others` describes
+    every other rank that failed. Not an AssertionError: it also reports a rank's crash or hang."""
 
-    def __init__(self, cause: Outcome, others: list[Outcome], silent: list[int] = ()) -> None:
+    def __init__(self, cause: Outcome, others: list[Outcome], silent: Sequence[int] = ()) -> None:
         self.rank, self.traceback, self.others = cause.rank, str(cause.value), others
         lines = [cause.describe()]
         if others:
-            lines.append("other ranks failed after it: " + "; ".join(
-                f"rank {o.rank}" + (" (lost its peer)" if o.peer else "") for o in others
-            ))
+            lines.append(
+                "other ranks failed after it: "
+                + "; ".join(f"rank {o.rank}" + (" (lost its peer)" if o.peer else "") for o in others)
+            )
         if silent:
             lines.append(f"ranks {list(silent)} had not finished {GRACE_S:.0f}s later and were killed")
         super().__init__("\n".join(lines))
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (on Linux a zombie, dead but not yet reaped, counts as ended)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: the signal-0 probe (a zombie counts as running)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 def _die_with_parent(parent: int) -> None:
-    """Linux: have the kernel SIGKILL this rank when the launcher dies, even by SIGKILL (a
-    launcher killed by SIGTERM or by a job scheduler otherwise left its ranks running, holding
-    memory and the GPU). Elsewhere a no-op."""
+    """Have this rank end when the launcher dies, even by SIGKILL (a launcher killed by SIGTERM or
+    by a job scheduler otherwise left its ranks running, holding memory and the GPU). Linux: the
+    kernel's parent-death signal, for spawned ranks whose parent is the launcher. Everywhere: a
+    daemon thread that checks the launcher twice a second, for ranks forked by the forkserver (their
+    parent is the server, which itself lives as long as any rank does)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher died before the call above took effect
+        pass
+
+    def watch() -> None:
+        while _alive(parent):
+            time.sleep(0.5)
         os._exit(1)
+
+    if not _alive(parent):  # the launcher died before this rank started watching
+        os._exit(1)
+    threading.Thread(target=watch, name="graphfuse-launcher-watch", daemon=True).start()
 
 
 def _worker(
-    rank: int, world_size: int, store_path: str, backend: str, threads: int, fn: Callable, args: tuple, queue, parent: int
+    rank: int,
+    world_size: int,
+    store_path: str,
+    backend: str,
+    threads: int,
+    fn: Callable,
+    args: tuple,
+    queue,
+    parent: int,
 ) -> None:
     _die_with_parent(parent)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -113,17 +149,42 @@ def _worker(
             dist.destroy_process_group()
 
 
+_forkserver_env: list[dict[str, str]] = []  # the environment the forkserver started with (once per process)
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def _context():
+    """Linux: "forkserver", whose server imports torch once, so a rank starts in a fraction of a
+    second instead of importing torch again (most of a multi-rank test's time on 2 cores). Its
+    ranks inherit the server's environment, not the caller's: when that changed since the server
+    started (a test that sets a variable a rank reads), this run spawns fresh interpreters instead.
+    Elsewhere "spawn"."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if not _forkserver_env:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        _forkserver_env.append(_environment())
+        return ctx
+    return mp.get_context("forkserver" if _environment() == _forkserver_env[0] else "spawn")
+
+
 def root_cause(failures: list[Outcome]) -> tuple[Outcome, list[Outcome]]:
     """The earliest failure that is not a lost peer (else the earliest of all), and the rest."""
     ordered = sorted(failures, key=lambda o: (o.peer, o.at))
     return ordered[0], ordered[1:]
 
 
-def run_ranks(fn: Callable, world_size: int, *args, backend: str = "gloo", threads: int = 1, timeout: float = 300.0) -> list:
+def run_ranks(
+    fn: Callable, world_size: int, *args, backend: str = "gloo", threads: int = 1, timeout: float = 300.0
+) -> list:
     """Run `fn(rank, world_size, *args)` (a module-level function) on `world_size` spawned
     ranks of a `backend` process group; return each rank's result (picklable), or raise
-    `RankFailure` (an AssertionError) naming the rank whose failure came first, with its traceback."""
-    ctx = mp.get_context("spawn")
+    `RankFailure` naming the rank whose failure came first, with its traceback."""
+    ctx = _context()
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="graphfuse-rdzv-")
     store_path = os.path.join(store_dir, "store")  # a fresh file per run: nothing stale to meet
@@ -157,7 +218,11 @@ def _check_clean_exits(procs: list) -> None:
     group outlives destroy_process_group() (issue 30); a rank still running 30 s on hung at exit."""
     for r, p in enumerate(procs):
         if p.exitcode != 0:
-            why = "killed after 30 s: it hung at exit" if p.exitcode == -signal.SIGKILL else "an abort at exit if -6 (SIGABRT)"
+            why = (
+                "killed after 30 s: it hung at exit"
+                if p.exitcode == -signal.SIGKILL
+                else "an abort at exit if -6 (SIGABRT)"
+            )
             text = f"returned its result, then exited with code {p.exitcode} ({why})"
             raise RankFailure(Outcome(r, False, text, time.time()), [])
 
@@ -185,4 +250,5 @@ def _collect(procs: list, queue, timeout: float, outcomes: dict[int, Outcome]) -
             deadline = time.monotonic() + GRACE_S
     if len(outcomes) < len(procs) and all(o.ok for o in outcomes.values()):
         hung = [r for r in range(len(procs)) if r not in outcomes]
-        raise AssertionError(f"ranks timed out after {timeout}s; finished: {sorted(outcomes)}, still running: {hung}")
+        text = f"still running after the {timeout}s timeout; finished: {sorted(outcomes)}, still running: {hung}"
+        raise RankFailure(Outcome(hung[0], False, text, time.time()), [])

@@ -41,6 +41,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A GPT-2 shaped language model; `lm_head.weight` is `wte.weight` (tied)."""
 
+    pos: torch.Tensor  # a buffer (register_buffer), which nn.Module's attribute typing cannot see
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -40,7 +40,10 @@ def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 def mlp_batches(steps: int, batch_size: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch_size, 12, generator=g), torch.randint(0, 5, (batch_size,), generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(batch_size, 12, generator=g), torch.randint(0, 5, (batch_size,), generator=g))
+        for _ in range(steps)
+    ]
 
 
 class ConvNet(nn.Module):
@@ -139,7 +142,9 @@ def sgd_dampening(model: nn.Module, **kw) -> torch.optim.Optimizer:
 HOST_STATES = ("step", "mu_product", "eta", "mu")
 
 
-def assert_same_state(m_eager: nn.Module, o_eager: torch.optim.Optimizer, m_gf: nn.Module, dm: gf.DistModel, when: str) -> None:
+def assert_same_state(
+    m_eager: nn.Module, o_eager: torch.optim.Optimizer, m_gf: nn.Module, dm: gf.DistModel, when: str
+) -> None:
     """Every parameter, buffer and optimizer state of the eager run equals graphfuse's, bit for bit."""
     eager_params = dict(m_eager.named_parameters(remove_duplicate=False))
     gf_params = dict(m_gf.named_parameters(remove_duplicate=False))
@@ -168,7 +173,9 @@ def assert_same_state(m_eager: nn.Module, o_eager: torch.optim.Optimizer, m_gf: 
             assert torch.equal(slices[f"slice@{fqn}.{name}"], value.flatten()), f"{when}: state {fqn}.{name} differs"
         own = {k.removeprefix(f"slice@{fqn}.") for k in slices if k.startswith(f"slice@{fqn}.")}
         if state:
-            assert own == {k for k in state if k not in HOST_STATES}, f"{fqn}: graphfuse states {own}, eager {set(state)}"
+            assert own == {k for k in state if k not in HOST_STATES}, (
+                f"{fqn}: graphfuse states {own}, eager {set(state)}"
+            )
         else:  # before the first step torch.optim has no state yet; graphfuse's starts at zero
             assert all(not slices[f"slice@{fqn}.{k}"].any() for k in own), f"{when}: {fqn} starts with nonzero state"
     if any(o_eager.state.values()):
@@ -273,8 +280,14 @@ def test_transformers_llama_without_cache_takes_eager_attention_path_bitwise():
         return model
 
     dm = run_bitwise(make, adamw, hf_lm_loss, token_batches(4, seed=8))
-    sdpa = [n for n in dm.program.graph_module.graph.nodes if "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)]
-    assert sdpa and all(n.kwargs.get("is_causal") or (len(n.args) > 4 and n.args[4] is True) for n in sdpa), [n.format_node() for n in sdpa]
+    sdpa = [
+        n
+        for n in dm.program.graph_module.graph.nodes
+        if "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)
+    ]
+    assert sdpa and all(n.kwargs.get("is_causal") or (len(n.args) > 4 and n.args[4] is True) for n in sdpa), [
+        n.format_node() for n in sdpa
+    ]
 
 
 def test_transformers_bert_is_bitwise_equal_to_eager():

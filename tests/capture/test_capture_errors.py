@@ -264,7 +264,9 @@ def test_host_read_of_a_value_computed_from_constants_is_answered_as_eager_reads
     m_eager = ReadsConstant()
     m_gf = copy.deepcopy(m_eager)
     o_eager = torch.optim.AdamW(m_eager.parameters(), lr=1e-2, foreach=False)
-    dm = gf.compile(m_gf, torch.optim.AdamW(m_gf.parameters(), lr=1e-2), lambda m, b: m(b).square().mean(), torch.randn(5, 4))
+    dm = gf.compile(
+        m_gf, torch.optim.AdamW(m_gf.parameters(), lr=1e-2), lambda m, b: m(b).square().mean(), torch.randn(5, 4)
+    )
     assert m_gf.seen == [False], "traced once, as eager runs it"
     for _ in range(2):
         x = torch.randn(5, 4)

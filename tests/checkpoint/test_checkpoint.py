@@ -26,6 +26,7 @@ import graphfuse as gf
 from graphfuse.checkpoint import record
 from graphfuse.checkpoint.storage import Chunks, file_records
 from graphfuse.cli import ckpt as checkpoint
+from graphfuse.testing.launch import RankFailure
 from tests._common import run_ranks
 
 # graphfuse steps the optimizer inside its program, so torch's order check cannot see it.
@@ -369,7 +370,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed(root):
-    with pytest.raises(AssertionError, match="rank 1 died with exit code 3|rank 0 failed"):
+    with pytest.raises(RankFailure, match="rank 1 died with exit code 3|rank 0 failed"):
         run_ranks(killed_save_group, 2, root, timeout=120)
     return root
 

@@ -51,12 +51,17 @@ def child(path: str, mode: str, async_: bool) -> None:
 def test_sigkill_during_saves_always_leaves_a_checkpoint_that_loads_bitwise(tmp_path, mode, async_):
     rng = random.Random(f"kill-{mode}-{async_}")
     path = tmp_path / "ckpt"
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import tests.checkpoint.test_checkpoint_kill as t; t.child({str(path)!r}, {mode!r}, {async_!r})"
+    code = (
+        f"import sys; sys.path.insert(0, {HERE!r}); import tests.checkpoint.test_checkpoint_kill as t; "
+        f"t.child({str(path)!r}, {mode!r}, {async_!r})"
+    )
     for trial in range(3):
         with open(tmp_path / f"child{trial}.err", "w") as err:
             proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True)
         ready = proc.stdout.readline().strip()
-        assert ready == "ready", f"trial {trial}: the child ended before saving: {(tmp_path / f'child{trial}.err').read_text()[-3000:]}"
+        assert ready == "ready", (
+            f"trial {trial}: the child ended before saving: {(tmp_path / f'child{trial}.err').read_text()[-3000:]}"
+        )
         time.sleep(rng.uniform(0.0, 1.5))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -127,9 +132,15 @@ def check_loads(rank: int, world: int, roots: list[str]) -> list[tuple[int, bool
 def kill_a_rank(root: str, kind: str, victim: int, rng: random.Random) -> None:
     """Run `ranks_loop` on 2 ranks, SIGKILL rank `victim` at a random moment, let the other run
     a little longer, then kill what is left."""
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import tests.checkpoint.test_checkpoint_kill as t; t.launch({root!r}, {kind!r})"
+    code = (
+        f"import sys; sys.path.insert(0, {HERE!r}); import tests.checkpoint.test_checkpoint_kill as t; "
+        f"t.launch({root!r}, {kind!r})"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         start_new_session=True,  # its own process group: the ranks are killed with it
     )
     try:

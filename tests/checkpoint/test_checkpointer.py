@@ -164,8 +164,13 @@ def _ranks_resume(rank: int, world: int, root: str, mode: str, async_: bool) -> 
     dm2, sched2, loader2 = build(rank, seed=2, mode=mode)
     resumed = Checkpointer(root, dm2, sched2, every=2, keep=2, async_=async_, data=loader2)
     step = resumed.load_latest()
-    restored = {"step": step, "extra": resumed.extra, "pos": loader2.pos, "epoch": sched2.last_epoch,
-                "rng": torch.equal(torch.get_rng_state(), rng_after_6)}
+    restored = {
+        "step": step,
+        "extra": resumed.extra,
+        "pos": loader2.pos,
+        "epoch": sched2.last_epoch,
+        "rng": torch.equal(torch.get_rng_state(), rng_after_6),
+    }
     run(dm2, sched2, loader2, resumed, 7, 8)
     resumed.wait()  # rank 0 then removes what `keep` leaves out
     dist.barrier()
@@ -176,17 +181,35 @@ def _ranks_resume(rank: int, world: int, root: str, mode: str, async_: bool) -> 
 def test_resume_is_bitwise_with_each_ranks_data_position_and_generators(tmp_path, world, mode, async_):
     results = run_ranks(_ranks_resume, world, str(tmp_path), mode, async_)
     for rank, r in enumerate(results):
-        assert r == {"step": 6, "extra": {"rank": rank, "step": 6}, "pos": 6, "epoch": 6, "rng": True,
-                     "bitwise": True, "kept": [6, 8]}, (rank, r)
+        assert r == {
+            "step": 6,
+            "extra": {"rank": rank, "step": 6},
+            "pos": 6,
+            "epoch": 6,
+            "rng": True,
+            "bitwise": True,
+            "kept": [6, 8],
+        }, (rank, r)
 
 
 # ---- torchrun --max-restarts 1, a rank SIGKILLed --------------------------------------------
-@pytest.mark.parametrize("kill, seed", [("between", 1), ("during", 12)])  # rank 1 at step 5; rank 0 before publishing an async save
+@pytest.mark.parametrize(
+    "kill, seed", [("between", 1), ("during", 12)]
+)  # rank 1 at step 5; rank 0 before publishing an async save
 def test_a_job_killed_between_or_during_saves_restarts_and_ends_bitwise(kill, seed):
     """Four cases in one torchrun job (unbalanced and balanced, sync and async saves); a rank kills
     itself at a random step between two saves, or at a random point of a save; the job restarts and
     each case resumes from its newest complete checkpoint and ends bitwise as with no kill."""
-    cmd = [sys.executable, str(ROOT / "tools" / "elastic_resume.py"), "--kill", kill, "--seed", str(seed), "--timeout", "240"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "elastic_resume.py"),
+        "--kill",
+        kill,
+        "--seed",
+        str(seed),
+        "--timeout",
+        "240",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["all_bitwise"], proc.stdout[-6000:]

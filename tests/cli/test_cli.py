@@ -12,13 +12,15 @@ import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 import graphfuse as gf
+from graphfuse.passes import issues_collective
 from tests._common import ROOT, run_ranks
 
 SVG = "{http://www.w3.org/2000/svg}"
-FACTORY = textwrap.dedent('''
+FACTORY = textwrap.dedent("""
     import torch
     from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
@@ -39,7 +41,7 @@ FACTORY = textwrap.dedent('''
     def linear():
         model = torch.nn.Linear(4, 2)
         return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum(), torch.randn(3, 4)
-''')
+""")
 
 
 def graphfuse(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -48,7 +50,7 @@ def graphfuse(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 # Many commands in one subprocess, each through graphfuse.cli.main as the console script calls it
 # (a traceback escaping main lands in its stderr): one torch import instead of one per command.
-BATCH = textwrap.dedent('''
+BATCH = textwrap.dedent("""
     import contextlib, io, json, sys, traceback
     from graphfuse.cli import main
     results = []
@@ -64,13 +66,18 @@ BATCH = textwrap.dedent('''
                 code = "escaped"
         results.append([code, out.getvalue(), err.getvalue()])
     print(json.dumps(results))
-''')
+""")
 
 
 def graphfuse_batch(*commands: list[str]) -> list[subprocess.CompletedProcess]:
-    done = subprocess.run([sys.executable, "-c", BATCH, json.dumps(commands)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", BATCH, json.dumps(commands)], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
-    return [subprocess.CompletedProcess(argv, code, out, err) for argv, (code, out, err) in zip(commands, json.loads(done.stdout))]
+    return [
+        subprocess.CompletedProcess(argv, code, out, err)
+        for argv, (code, out, err) in zip(commands, json.loads(done.stdout))
+    ]
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, status: int, *words: str) -> None:
@@ -90,21 +97,40 @@ def factory(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def traced(factory, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trace") / "gpt3"
-    done = graphfuse("trace", f"{factory}:make", "--out", str(out), "--world-size", "3", "--all-ranks", "--bucket-mb", "0.004")
+    done = graphfuse(
+        "trace", f"{factory}:make", "--out", str(out), "--world-size", "3", "--all-ranks", "--bucket-mb", "0.004"
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert all((out / f"rank{r}" / "manifest.json").is_file() for r in range(3))
     return out
 
 
 def test_every_command_has_help_and_the_tool_its_version():
-    commands = ([], ["trace"], ["inspect"], ["report"], ["demo"], ["ckpt"], ["ckpt", "info"], ["ckpt", "convert"],
-                ["program"], ["program", "info"])
+    commands = (
+        [],
+        ["trace"],
+        ["inspect"],
+        ["report"],
+        ["demo"],
+        ["ckpt"],
+        ["ckpt", "info"],
+        ["ckpt", "convert"],
+        ["program"],
+        ["program", "info"],
+    )
     *helped, version = graphfuse_batch(*(c + ["--help"] for c in commands), ["--version"])
     for cmd, done in zip(commands, helped):
-        assert done.returncode == 0 and done.stdout.startswith("usage: graphfuse " + " ".join(cmd)), (cmd, done.stdout[:80])
+        assert done.returncode == 0 and done.stdout.startswith("usage: graphfuse " + " ".join(cmd)), (
+            cmd,
+            done.stdout[:80],
+        )
     assert version.returncode == 0 and re.match(r"graphfuse \d+\.\d+\.\d+ \(torch 2\.", version.stdout), version.stdout
-    script_help = subprocess.run([str(Path(sys.executable).parent / "graphfuse"), "--help"], capture_output=True, text=True)
-    assert script_help.returncode == 0 and all(c in script_help.stdout for c in ("trace", "inspect", "report", "demo", "ckpt"))
+    script_help = subprocess.run(
+        [str(Path(sys.executable).parent / "graphfuse"), "--help"], capture_output=True, text=True
+    )
+    assert script_help.returncode == 0 and all(
+        c in script_help.stdout for c in ("trace", "inspect", "report", "demo", "ckpt")
+    )
 
 
 def test_inspect_json_matches_the_program_at_world_size_3(traced):
@@ -116,11 +142,20 @@ def test_inspect_json_matches_the_program_at_world_size_3(traced):
         assert (facts["rank"], facts["world_size"], len(layout.buckets)) == (rank, 3, len(facts["buckets"]))
         assert len(layout.buckets) > 2, "the tiny GPT should need several buckets at this cap"
         for b, fb in zip(layout.buckets, facts["buckets"]):
-            assert (fb["name"], fb["elements"], fb["bytes"], fb["shard_elements"]) == (b.name, b.size, b.nbytes, b.size // 3)
+            assert (fb["name"], fb["elements"], fb["bytes"], fb["shard_elements"]) == (
+                b.name,
+                b.size,
+                b.nbytes,
+                b.size // 3,
+            )
             assert [p["fqn"] for p in fb["params"]] == list(b.fqns)
             for s, p in zip(b.slots, fb["params"]):
                 assert (p["offset"], p["elements"], p["padding"]) == (s.offset, s.numel, s.padded - s.numel)
-                owners = [r for r in range(3) if max(s.offset, r * b.shard_size) < min(s.offset + s.numel, (r + 1) * b.shard_size)]
+                owners = [
+                    r
+                    for r in range(3)
+                    if max(s.offset, r * b.shard_size) < min(s.offset + s.numel, (r + 1) * b.shard_size)
+                ]
                 assert p["owners"] == owners and sum(x["param"][1] - x["param"][0] for x in p["slices"]) == s.numel
         _check_collectives(facts, program)
         assert [p["name"] for p in facts["passes"]] == list(program.pass_names)
@@ -161,8 +196,10 @@ def test_a_traced_program_runs_on_3_ranks_like_gf_compile(traced, factory):
 
 
 def test_report_draws_a_row_per_bucket_and_a_column_per_rank(traced, tmp_path):
-    done, svg = graphfuse_batch(["report", str(traced), "--out", str(tmp_path / "r.html")],
-                                ["report", str(traced), "--out", str(tmp_path / "l.svg"), "--format", "svg"])
+    done, svg = graphfuse_batch(
+        ["report", str(traced), "--out", str(tmp_path / "r.html")],
+        ["report", str(traced), "--out", str(tmp_path / "l.svg"), "--format", "svg"],
+    )
     assert done.returncode == 0, done.stderr
     html = (tmp_path / "r.html").read_text()
     assert "<script" not in html and not re.search(r"(src|href)=\"https?:", html)  # self-contained, no JavaScript
@@ -192,17 +229,88 @@ def test_inspect_code_is_python_with_shapes_and_tables_cut_nothing(traced):
     ast.parse(done.stdout)
     assert "def forward(" in done.stdout and '"f32[' in done.stdout and "wte.weight" in done.stdout
     assert max(len(line) for line in done.stdout.splitlines()) > 200, "long lines are not wrapped"
+    # provenance: a line a pass wrote names it, a captured line names none
+    lines = done.stdout.splitlines()
+    scatters = [line for line in lines if "reduce_scatter_tensor.default(" in line]
+    assert scatters and all(line.endswith("  # reduce_scatter") for line in scatters)
+    assert any("aten.mm.default(" in line and "  # " not in line for line in lines)
     # not a terminal: nothing may be cut to a width
     for fqn in gf.load_program(traced / "rank2").layout.fqns:
         assert re.search(rf"│ {re.escape(fqn)} +│", tables.stdout), fqn
+
+
+@pytest.fixture(scope="module")
+def graph_files(traced, tmp_path_factory) -> tuple[Path, Path, Path, list[subprocess.CompletedProcess]]:
+    """`inspect --graph` of rank 1 as GraphML and as DOT, and with a suffix of neither (one subprocess)."""
+    out = tmp_path_factory.mktemp("graph")
+    graphml, dot, bad = out / "g.graphml", out / "g.dot", out / "g.png"
+    done = graphfuse_batch(
+        ["inspect", str(traced), "--rank", "1", "--graph", str(graphml)],
+        ["inspect", str(traced / "rank1"), "--graph", str(dot)],
+        ["inspect", str(traced), "--graph", str(bad)],
+    )
+    return graphml, dot, bad, done
+
+
+def test_inspect_graph_writes_the_dataflow_graph_as_graphml_and_dot(traced, graph_files):
+    graphml, dot, bad, (wrote_graphml, wrote_dot, refused) = graph_files
+    program = gf.load_program(traced / "rank1")
+    nodes = list(program.graph.nodes)
+    edges = {(a.name, n.name) for n in nodes for a in n.all_input_nodes}
+    assert (
+        wrote_graphml.returncode == 0 and f"GraphML, {len(nodes)} nodes, {len(edges)} edges" in wrote_graphml.stdout
+    ), wrote_graphml
+    g = nx.read_graphml(graphml)
+    assert list(g.nodes) == [n.name for n in nodes] and set(g.edges) == edges
+    # Every collective is marked, with its target; at world size 3 each bucket has a reduce-scatter and an all-gather.
+    collectives = [n for n in nodes if issues_collective(n)]
+    assert len(collectives) == 2 * len(program.layout.buckets) > 0
+    assert {k for k, a in g.nodes(data=True) if a["collective"]} == {n.name for n in collectives}
+    assert {g.nodes[n.name]["target"] for n in collectives} == {
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "_c10d_functional.all_gather_into_tensor.default",
+    }
+    # Inputs carry their signature role and name, and their shape and dtype; every op its phase.
+    for n, spec in zip([n for n in nodes if n.op == "placeholder"], program.signature.inputs, strict=True):
+        meta, a = program.inputs_meta[spec.name], g.nodes[n.name]
+        assert (a["role"], a["name"], a["dtype"]) == (spec.role, spec.name, meta.dtype.removeprefix("torch."))
+        assert a["tensor_shape"] == ("x".join(map(str, meta.shape)) or "scalar")
+    assert all(g.nodes[n.name]["phase"] == n.meta.get("phase", "") for n in nodes)
+    loss = program.signature.output_names("loss")
+    assert [k for k, a in g.nodes(data=True) if a["output_role"] == "loss"] and loss == [
+        a["output_name"] for _, a in g.nodes(data=True) if a["output_role"] == "loss"
+    ]
+    # DOT: a statement per node and per edge, the same graph; collectives drawn in red.
+    assert wrote_dot.returncode == 0, wrote_dot.stderr
+    text = dot.read_text()
+    assert set(re.findall(r'^  "([^"]+)" -> "([^"]+)";$', text, re.M)) == edges
+    declared = re.findall(r'^  "([^"]+)" \[op=', text, re.M)
+    assert declared == [n.name for n in nodes]
+    red = re.findall(r'^  "([^"]+)" \[.*color="red"', text, re.M)
+    assert set(red) == {n.name for n in collectives}
+    assert_one_line_error(refused, 2, "g.png", ".graphml", ".dot")
+    assert not bad.exists()
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed (apt-get install graphviz)")
+def test_graphviz_reads_the_dot_file_without_a_warning(traced, graph_files):
+    _, dot, _, (_, wrote_dot, _) = graph_files
+    assert wrote_dot.returncode == 0, wrote_dot.stderr
+    drawn = subprocess.run(["dot", "-Tsvg", str(dot)], capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0 and not drawn.stderr, drawn.stderr
+    svg = ET.fromstring(drawn.stdout)
+    assert len(svg.findall(f".//{SVG}g[@class='node']")) == len(gf.load_program(traced / "rank1").graph.nodes)
 
 
 def test_missing_paths_and_non_programs_are_one_line_usage_errors(tmp_path, traced):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("hello")
     missing, notes, report, rank = graphfuse_batch(
-        ["inspect", str(tmp_path / "nope")], ["inspect", str(tmp_path / "notes")],
-        ["report", str(tmp_path / "notes"), "--out", str(tmp_path / "r.html")], ["inspect", str(traced), "--rank", "5"])
+        ["inspect", str(tmp_path / "nope")],
+        ["inspect", str(tmp_path / "notes")],
+        ["report", str(tmp_path / "notes"), "--out", str(tmp_path / "r.html")],
+        ["inspect", str(traced), "--rank", "5"],
+    )
     assert_one_line_error(missing, 2, "nope", "no such path")
     assert_one_line_error(notes, 2, "not a program directory")
     assert_one_line_error(report, 2, "notes")
@@ -213,8 +321,10 @@ def test_a_factory_that_raises_is_a_one_line_failure(factory, tmp_path):
     done = graphfuse("trace", f"{factory}:broken", "--out", str(tmp_path / "t"))
     assert_one_line_error(done, 1, "broken raised ValueError: the data set is not there")
     assert not (tmp_path / "t").exists()
-    nothing, debug = graphfuse_batch(["trace", f"{factory}:nothing", "--out", str(tmp_path / "t")],
-                                     ["trace", f"{factory}:broken", "--out", str(tmp_path / "t"), "--debug"])
+    nothing, debug = graphfuse_batch(
+        ["trace", f"{factory}:nothing", "--out", str(tmp_path / "t")],
+        ["trace", f"{factory}:broken", "--out", str(tmp_path / "t"), "--debug"],
+    )
     assert_one_line_error(nothing, 2, "no function nothing")
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "the data set is not there" in debug.stderr
 
@@ -226,8 +336,10 @@ def test_bad_demo_arguments_are_one_line():
 
 
 def test_trace_options_are_checked(factory, tmp_path):
-    rank, both = graphfuse_batch(["trace", f"{factory}:make", "--out", str(tmp_path / "t"), "--world-size", "2", "--rank", "2"],
-                                 ["trace", f"{factory}:make", "--out", str(tmp_path / "t"), "--rank", "0", "--all-ranks"])
+    rank, both = graphfuse_batch(
+        ["trace", f"{factory}:make", "--out", str(tmp_path / "t"), "--world-size", "2", "--rank", "2"],
+        ["trace", f"{factory}:make", "--out", str(tmp_path / "t"), "--rank", "0", "--all-ranks"],
+    )
     assert_one_line_error(rank, 2, "--rank 2", "--world-size 2")
     assert_one_line_error(both, 2, "not allowed with argument")
 
@@ -243,8 +355,10 @@ def test_a_new_trace_replaces_the_earlier_ranks_and_nothing_else(traced, factory
     (guarded / "rank5").mkdir()
     (guarded / "rank5" / "data.csv").write_text("1,2")
     before = sorted(p.name for p in guarded.iterdir())
-    refused, done = graphfuse_batch(["trace", f"{factory}:linear", "--out", str(guarded), "--world-size", "2"],
-                                    ["trace", f"{factory}:linear", "--out", str(again), "--world-size", "2", "--rank", "1"])
+    refused, done = graphfuse_batch(
+        ["trace", f"{factory}:linear", "--out", str(guarded), "--world-size", "2"],
+        ["trace", f"{factory}:linear", "--out", str(again), "--world-size", "2", "--rank", "1"],
+    )
     assert_one_line_error(refused, 2, str(guarded / "rank5"), "nothing was written")
     assert refused.stdout == "" and sorted(p.name for p in guarded.iterdir()) == before  # the factory never ran
     assert done.returncode == 0, done.stderr
@@ -277,7 +391,6 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
 
-
 def test_dependencies_are_declared_exactly_as_imported():
     """Every third-party module graphfuse imports is a declared dependency (an optional extra for
     imports that say how to get it: png, and hf for graphfuse.integrations), and every declared
@@ -297,9 +410,23 @@ def test_dependencies_are_declared_exactly_as_imported():
     imported = set()
     for f in [*(root / "graphfuse").rglob("*.py"), *(root / "passes").rglob("*.py")]:
         for node in ast.walk(ast.parse(f.read_text())):
-            tops = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] if (
-                isinstance(node, ast.ImportFrom) and node.level == 0) else []
+            tops = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if (isinstance(node, ast.ImportFrom) and node.level == 0)
+                else []
+            )
             for top in (t.split(".")[0] for t in tops):
                 if top not in sys.stdlib_module_names and top != "graphfuse":
                     imported |= {d.lower() for d in owners.get(top, [top])}
     assert imported - optional == declared, (imported, declared)
+
+
+def test_a_factory_file_python_cannot_import_is_a_usage_error(tmp_path):
+    from graphfuse.cli.args import UsageError
+    from graphfuse.cli.trace import load_factory
+
+    (tmp_path / "model.txt").write_text("def make(): pass\n")
+    with pytest.raises(UsageError, match=r"model\.txt: Python cannot import it \(expected a \.py file\)"):
+        load_factory(f"{tmp_path / 'model.txt'}:make")

@@ -47,8 +47,12 @@ def test_info_checks_every_file_and_prints_keys_whole(saved, tmp_path):
     data = sorted(bad.glob("*.distcp"))[0]
     with open(data, "r+b") as f:
         f.truncate(100)
-    ok, cut, unverified, as_json = graphfuse_batch(["ckpt", "info", str(saved)], ["ckpt", "info", str(bad)],
-                                                   ["ckpt", "info", str(bad), "--no-verify"], ["inspect", str(bad), "--json"])
+    ok, cut, unverified, as_json = graphfuse_batch(
+        ["ckpt", "info", str(saved)],
+        ["ckpt", "info", str(bad)],
+        ["ckpt", "info", str(bad), "--no-verify"],
+        ["inspect", str(bad), "--json"],
+    )
     assert ok.returncode == 0, ok.stderr
     keys = json.loads(as_json.stdout)["tensors"]
     long_keys = [k["key"] for k in keys if "an_unusually_long_module_name" in k["key"]]
@@ -76,8 +80,9 @@ def test_a_record_with_wrong_types_is_one_line(saved, tmp_path, field, value):
 def test_convert_refuses_an_existing_destination_before_any_work(saved, tmp_path):
     (tmp_path / "dst").mkdir()
     (tmp_path / "dst" / "mine.txt").write_text("keep me")
-    exists, fresh = graphfuse_batch(["ckpt", "convert", str(saved), str(tmp_path / "dst")],
-                                    ["ckpt", "convert", str(saved), str(tmp_path / "fresh")])
+    exists, fresh = graphfuse_batch(
+        ["ckpt", "convert", str(saved), str(tmp_path / "dst")], ["ckpt", "convert", str(saved), str(tmp_path / "fresh")]
+    )
     assert_one_line_error(exists, 2, "exists", "nothing was written")
     assert exists.stdout == ""  # not even "reading..."
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "fresh"]  # no dst.saving left
@@ -96,13 +101,19 @@ def test_what_is_not_a_checkpoint_is_a_usage_error_in_info_inspect_and_convert(s
     bad = _copy(saved, tmp_path)
     (bad / "graphfuse.json").write_text("not json")
     paths = [str(tmp_path / n) for n in ("notes.txt", "photos")]
-    runs = graphfuse_batch(*(["ckpt", "info", p] for p in paths), *(["inspect", p] for p in paths),
-                           ["ckpt", "convert", paths[0], str(tmp_path / "out")],
-                           ["ckpt", "info", str(tmp_path / "program")], ["ckpt", "info", str(bad)], ["inspect", str(bad)])
+    runs = graphfuse_batch(
+        *(["ckpt", "info", p] for p in paths),
+        *(["inspect", p] for p in paths),
+        ["ckpt", "convert", paths[0], str(tmp_path / "out")],
+        ["ckpt", "info", str(tmp_path / "program")],
+        ["ckpt", "info", str(bad)],
+        ["inspect", str(bad)],
+    )
     *neither, program, damaged_info, damaged_inspect = runs
     for done in neither:
-        assert_one_line_error(done, 2, done.args[-2 if done.args[1] == "convert" else -1], "not a program directory",
-                              "or a checkpoint")
+        assert_one_line_error(
+            done, 2, done.args[-2 if done.args[1] == "convert" else -1], "not a program directory", "or a checkpoint"
+        )
         assert "damaged" not in done.stderr
     assert_one_line_error(program, 2, "is a program directory, not a checkpoint", "graphfuse inspect")
     for done in (damaged_info, damaged_inspect):
@@ -113,8 +124,12 @@ def test_what_is_not_a_checkpoint_is_a_usage_error_in_info_inspect_and_convert(s
 def test_a_closed_stdout_stops_quietly_with_status_141(saved):
     """`graphfuse inspect --json CKPT | head` and `graphfuse ckpt info CKPT | head` when head has
     quit: no traceback, no message, 141 (the Python docs' recipe; the status of `cat`)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "graphfuse", *argv, str(saved)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for argv in (["inspect", "--json"], ["ckpt", "info"])]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "graphfuse", *argv, str(saved)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for argv in (["inspect", "--json"], ["ckpt", "info"])
+    ]
     for p in procs:
         p.stdout.close()  # the reader quits before the command writes anything: every write fails
     for p in procs:

@@ -30,8 +30,11 @@ def _compile_and_log(rank: int, world_size: int) -> dict:
     import graphfuse as gf
 
     logger = logging.getLogger("graphfuse")
-    found = {"level": logger.level, "propagate": logger.propagate,
-             "stderr": [h.stream is sys.stderr for h in logger.handlers]}  # as GRAPHFUSE_LOG=debug left them
+    found = {
+        "level": logger.level,
+        "propagate": logger.propagate,
+        "stderr": [h.stream is sys.stderr for h in logger.handlers],
+    }  # as GRAPHFUSE_LOG=debug left them
     at_info, every = _Kept(logging.INFO), _Kept(logging.NOTSET)
     logger.addHandler(at_info)
     logger.addHandler(every)

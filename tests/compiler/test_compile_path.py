@@ -19,7 +19,13 @@ from tests._common import run_ranks
 from tests.frontends.test_sharded_optimizer import batches, ddp_step, llama, lm_loss, model_, sharded, sharded_step
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
-PACKING = {aten.reshape.default, aten.constant_pad_nd.default, aten.cat.default, aten._to_copy.default, c10d.wait_tensor.default}
+PACKING = {
+    aten.reshape.default,
+    aten.constant_pad_nd.default,
+    aten.cat.default,
+    aten._to_copy.default,
+    c10d.wait_tensor.default,
+}
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 GPT_STEPS = 20
 
@@ -45,21 +51,24 @@ def _graph_facts(rank, world):
     model = model_()
     opt = sharded(model)
     sharded_step(torch.compile(model, backend="graphfuse"), opt, batches(rank, 1))
-    (gm, buckets), = opt.backward_graphs
+    ((gm, buckets),) = opt.backward_graphs
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     scatters = [n for n in nodes if n.target is c10d.reduce_scatter_tensor.default]
     facts = {"buckets": len(opt.layout.buckets), "reduced": buckets, "scatters": len(scatters), "code": gm.code}
     # between a bucket's last gradient and its reduce-scatter: packing only
     facts["issued_early"] = all(
-        all(m.target in PACKING for m in nodes[max(pos[g] for g in _gradients_of(s.args[0])) + 1 : pos[s]]) for s in scatters
+        all(m.target in PACKING for m in nodes[max(pos[g] for g in _gradients_of(s.args[0])) + 1 : pos[s]])
+        for s in scatters
     )
     # backward ops (not packing, not communication) placed after each reduce-scatter
     facts["ops_after"] = [sum(1 for m in nodes[pos[s] :] if _backward_op(m)) for s in scatters]
     facts["mm_after_first"] = sum(1 for m in nodes[pos[scatters[0]] :] if m.target is aten.mm.default)
     waits = {n.args[0]: n for n in nodes if n.target is c10d.wait_tensor.default}
     # Gloo allows one collective in flight: each wait comes before the next reduce-scatter
-    facts["waits_in_order"] = all(pos[waits[a]] < pos[b] for a, b in zip(scatters, scatters[1:])) and len(waits) == len(scatters)
+    facts["waits_in_order"] = all(pos[waits[a]] < pos[b] for a, b in zip(scatters, scatters[1:])) and len(waits) == len(
+        scatters
+    )
     facts["reductions"] = opt.last_reductions
     return facts
 
@@ -151,7 +160,10 @@ PARAM_TOL, LOSS_TOL = 3e-4, 1e-5
 def test_gpt_trains_20_steps_like_eager_ddp_adamw(world):
     results = [_whole(0, 1)] if world == 1 else run_ranks(_whole, world)
     for r in results:
-        print(f"world {world}: param diff {r['param_diff']:.2e} (inductor alone {r['control_diff']:.2e}), loss diff {r['loss_diff']:.2e}")
+        print(
+            f"world {world}: param diff {r['param_diff']:.2e} (inductor alone {r['control_diff']:.2e}), loss "
+            f"diff {r['loss_diff']:.2e}"
+        )
         assert r["param_diff"] <= PARAM_TOL and r["loss_diff"] <= LOSS_TOL, r
         assert r["control_diff"] <= PARAM_TOL, r  # the tolerance is inductor's own
         assert r["reductions"] == {1}, r  # every bucket reduced exactly once per step
@@ -197,7 +209,9 @@ def test_accumulation_adds_shards_of_several_backward_calls():
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -210,7 +224,9 @@ def _hf(rank: int, world: int, build) -> dict:
     torch.manual_seed(0)
     mine = build()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
-    opt = gf.shard_optimizer(torch.optim.AdamW(mine.parameters(), lr=3e-3, weight_decay=0.1), gf.Strategy(bucket_size_mb=0.02), model=mine)
+    opt = gf.shard_optimizer(
+        torch.optim.AdamW(mine.parameters(), lr=3e-3, weight_decay=0.1), gf.Strategy(bucket_size_mb=0.02), model=mine
+    )
     compiled = torch.compile(mine, backend="graphfuse")
     out = {"loss_diff": 0.0, "reductions": set()}
     for batch in synthetic_tokens(CFG, 4, GPT_STEPS, seed=rank):
@@ -254,7 +270,9 @@ def test_compile_path_on_cuda_trains_like_eager():
     torch.manual_seed(0)
     mine = GPT(CFG).cuda()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
-    opt = gf.shard_optimizer(torch.optim.AdamW(mine.parameters(), lr=3e-3, weight_decay=0.1), gf.Strategy(bucket_size_mb=0.02), model=mine)
+    opt = gf.shard_optimizer(
+        torch.optim.AdamW(mine.parameters(), lr=3e-3, weight_decay=0.1), gf.Strategy(bucket_size_mb=0.02), model=mine
+    )
     compiled = torch.compile(mine, backend="graphfuse")
     for batch in synthetic_tokens(CFG, 4, GPT_STEPS, seed=0):
         batch = tuple(t.cuda() for t in batch)
@@ -317,7 +335,9 @@ def test_backend_name_works_from_a_source_tree_without_entry_point(tmp_path, dyn
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     code = FROM_SOURCE.replace("DYNAMO_FIRST", str(dynamo_first))
     # cwd: `-c` puts it first on sys.path, and the worktree's own graphfuse/ must not be found
-    run = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     facts = json.loads(run.stdout.splitlines()[-1])
     assert not facts["entry_point_before"] and not facts.get("listed_before"), facts

@@ -28,7 +28,9 @@ from graphfuse.runtime.execute import arguments
 
 def _mlp():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -69,8 +71,14 @@ def test_pieces_a_worker_compiled_are_found_in_the_cache_here(tmp_path, cache):
     assert times["imports_s"] <= times["pool_s"] <= times["job_s"] <= times["ready_s"], times
     assert [j for j, _, _ in times["compiled"]] == [1, 0] and all(s > 0 for _, s, _ in times["compiled"]), times
     # torch's phases of each piece's compile, which add up to no more than the piece's time
-    assert all("GraphLowering.run" in spent and sum(spent.values()) <= s + 0.05 for _, s, spent in times["compiled"]), times
-    assert "piece 2 in" in W._timeline(times) and "GraphLowering.run" in W._timeline(times) and "pieces prepared" in W._timeline(times)
+    assert all("GraphLowering.run" in spent and sum(spent.values()) <= s + 0.05 for _, s, spent in times["compiled"]), (
+        times
+    )
+    assert (
+        "piece 2 in" in W._timeline(times)
+        and "GraphLowering.run" in W._timeline(times)
+        and "pieces prepared" in W._timeline(times)
+    )
     (tmp_path / "torn").write_text('{"imports_s": 1.0, "compiled": [[0')  # the log says so, and raises nothing
     assert W._report(tmp_path / "torn").startswith("unreadable report (JSONDecodeError")
     assert W._report(tmp_path / "absent").startswith("no report")
@@ -84,7 +92,9 @@ def test_pieces_a_worker_compiled_are_found_in_the_cache_here(tmp_path, cache):
 def _train(workers: int, caplog=None):
     model, opt = _mlp()
     batches = _batches()
-    dm = gf.compile(model, opt, _loss, batches[0], gf.Strategy(compile="inductor", compile_workers=workers, bucket_size_mb=0.0005))
+    dm = gf.compile(
+        model, opt, _loss, batches[0], gf.Strategy(compile="inductor", compile_workers=workers, bucket_size_mb=0.0005)
+    )
     losses = torch.stack([dm(b) for b in batches])
     return losses, [p.detach().clone() for p in model.parameters()], dm
 
@@ -150,9 +160,14 @@ def test_a_worker_takes_this_processs_thread_count(tmp_path):
         (tmp_path / "settings.pkl").write_bytes(pickle.dumps(compile_settings.settings()))
     finally:
         torch.set_num_threads(threads)
-    code = ("import pickle, sys, torch; from graphfuse.compiler import settings as compile_settings; torch.set_num_threads(2); "
-            "compile_settings.apply(pickle.load(open(sys.argv[1], 'rb'))); print(torch.get_num_threads())")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "settings.pkl")], capture_output=True, text=True, timeout=300)
+    code = (
+        "import pickle, sys, torch; from graphfuse.compiler import settings as compile_settings; "
+        "torch.set_num_threads(2); "
+        "compile_settings.apply(pickle.load(open(sys.argv[1], 'rb'))); print(torch.get_num_threads())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "settings.pkl")], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["1"]
 
@@ -165,9 +180,14 @@ def test_a_worker_compiles_programs_with_this_processs_graphfuse_settings(tmp_pa
 
     monkeypatch.setattr(inductor, "FIRST_STEP", {})
     (tmp_path / "settings.pkl").write_bytes(pickle.dumps(compile_settings.settings()))
-    code = ("import pickle, sys; from graphfuse.compiler import inductor, settings as compile_settings; "
-            "compile_settings.apply(pickle.load(open(sys.argv[1], 'rb'))); print(inductor.FIRST_STEP, len(inductor.COMPILE_SPEED))")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "settings.pkl")], capture_output=True, text=True, timeout=300)
+    code = (
+        "import pickle, sys; from graphfuse.compiler import inductor, settings as compile_settings; "
+        "compile_settings.apply(pickle.load(open(sys.argv[1], 'rb'))); print(inductor.FIRST_STEP, "
+        "len(inductor.COMPILE_SPEED))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "settings.pkl")], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["{}", str(len(inductor.COMPILE_SPEED))]
 
@@ -178,7 +198,9 @@ def test_a_worker_that_never_finishes_its_piece_does_not_hang_the_step(cache, ca
     ref_losses, _, _ = _train(0)
     model, opt = _mlp()
     batches = _batches()
-    dm = gf.compile(model, opt, _loss, batches[0], gf.Strategy(compile="inductor", compile_workers=1, bucket_size_mb=0.0005))
+    dm = gf.compile(
+        model, opt, _loss, batches[0], gf.Strategy(compile="inductor", compile_workers=1, bucket_size_mb=0.0005)
+    )
     workers = dm._workers
     workers.procs[0].kill()
     workers.procs[0].wait()
@@ -194,10 +216,14 @@ def test_a_worker_that_never_finishes_its_piece_does_not_hang_the_step(cache, ca
 
 def test_settings_that_cannot_reach_a_worker_leave_every_piece_here(cache, caplog, monkeypatch):
     real = compile_settings.settings
-    monkeypatch.setattr(compile_settings, "settings", lambda: {**real(), "inductor": lambda: None})  # as a custom pass would be
+    monkeypatch.setattr(
+        compile_settings, "settings", lambda: {**real(), "inductor": lambda: None}
+    )  # as a custom pass would be
     with caplog.at_level(logging.INFO, logger="graphfuse"):
         losses, _, _ = _train(1)
-    assert "cannot hand the compile to the workers (" in caplog.text and "can't pickle" in caplog.text.lower(), caplog.text
+    assert "cannot hand the compile to the workers (" in caplog.text and "can't pickle" in caplog.text.lower(), (
+        caplog.text
+    )
     assert "piece 2 of 2 compiled here" in caplog.text
     ref_losses, _, _ = _train(0)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
@@ -273,7 +299,8 @@ def _worker_on_rank(rank: int, world: int, where: str) -> dict:
     return {
         "group": dm.program.group_name,
         "collectives": [sum(map(issues_collective, p.gm.graph.nodes)) for p in pieces],
-        "rc": done.returncode, "stderr": done.stderr[-3000:],
+        "rc": done.returncode,
+        "stderr": done.stderr[-3000:],
         "markers": sorted(p.name for p in job.glob("done-*")) + sorted(p.name for p in job.glob("failed-*")),
         "failed": [(job / f"failed-{j}").read_text()[-2000:] for j in range(2) if (job / f"failed-{j}").exists()],
         "hits": counters["aot_autograd"]["autograd_cache_hit"] - hits,
@@ -320,7 +347,9 @@ def test_inductor_cache_keys_do_not_depend_on_which_modules_hold_torch():
         done = subprocess.run([sys.executable, "-c", _KEY_PROBE, how], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         out[how] = done.stdout.split()
-    assert out["plain"][0] != out["early"][0], "memory formats now pickle alike everywhere: same_keys_in_every_process can go"
+    assert out["plain"][0] != out["early"][0], (
+        "memory formats now pickle alike everywhere: same_keys_in_every_process can go"
+    )
     assert out["plain"][1] == out["early"][1]
     # What such a pickle loads as: the same format; a name that is not a format is refused.
     from graphfuse.compiler.inductor import memory_format, same_keys_in_every_process

@@ -49,7 +49,9 @@ def test_cuda_graphs_needs_the_inductor_compiled_step():
 
 def test_cuda_graphs_refuses_a_model_on_the_cpu():
     model, opt = _tiny()
-    with pytest.raises(gf.UnsupportedError, match=r"parameter 0\.weight is on cpu; move the model to the GPU .*cuda_graphs=False"):
+    with pytest.raises(
+        gf.UnsupportedError, match=r"parameter 0\.weight is on cpu; move the model to the GPU .*cuda_graphs=False"
+    ):
         gf.compile(model, opt, _mse, BATCH, strategy=GRAPHED)
 
 
@@ -137,13 +139,23 @@ def recording_cuda(monkeypatch):
         def wait_stream(self, other) -> None:
             pass
 
-    for name, value in [("Stream", Stream), ("current_stream", lambda device=None: Stream()), ("graph", _capture),
-                        ("stream", lambda s: contextlib.nullcontext()), ("graph_pool_handle", lambda: None), ("CUDAGraph", _Recorder)]:
+    for name, value in [
+        ("Stream", Stream),
+        ("current_stream", lambda device=None: Stream()),
+        ("graph", _capture),
+        ("stream", lambda s: contextlib.nullcontext()),
+        ("graph_pool_handle", lambda: None),
+        ("CUDAGraph", _Recorder),
+    ]:
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    monkeypatch.setattr(cuda_graph, "start", lambda s, *_: cuda_graph.CudaGraphs(torch.device("cpu")) if s.cuda_graphs else None)
+    monkeypatch.setattr(
+        cuda_graph, "start", lambda s, *_: cuda_graph.CudaGraphs(torch.device("cpu")) if s.cuda_graphs else None
+    )
     wrap = cuda_graph.CudaGraphs.wrap
-    monkeypatch.setattr(cuda_graph.CudaGraphs, "wrap", lambda self, compiled, program: wrap(self, _recording(compiled), program))
+    monkeypatch.setattr(
+        cuda_graph.CudaGraphs, "wrap", lambda self, compiled, program: wrap(self, _recording(compiled), program)
+    )
     monkeypatch.setattr(_Recorder, "fail", False)
 
 
@@ -174,7 +186,9 @@ def test_a_failed_capture_changes_nothing_and_a_moved_tensor_is_refused(recordin
     dm, _ = _tiny_run(True, batches[:1])
     before, steps = _state(dm), list(dm.steps)
     _Recorder.fail = True
-    with pytest.raises(gf.UnsupportedError, match=r"capturing the step in a CUDA graph failed .*this call updated nothing"):
+    with pytest.raises(
+        gf.UnsupportedError, match=r"capturing the step in a CUDA graph failed .*this call updated nothing"
+    ):
         dm(batches[1])
     _assert_bitwise(_state(dm), before, "after a failed capture")
     assert dm.steps == steps
@@ -213,7 +227,9 @@ def _batches(n: int, batch_size: int = 4, seed: int = 3):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        tokens = torch.randperm(CFG.vocab_size, generator=g)[: batch_size * CFG.block_size].view(batch_size, CFG.block_size)
+        tokens = torch.randperm(CFG.vocab_size, generator=g)[: batch_size * CFG.block_size].view(
+            batch_size, CFG.block_size
+        )
         targets = torch.randint(0, CFG.vocab_size, (batch_size, CFG.block_size), generator=g)
         out.append((tokens.cuda(), targets.cuda()))
     return out

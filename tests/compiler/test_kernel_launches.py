@@ -1,16 +1,11 @@
-"""tools/kernel_launches.py: kernels defined and launched in inductor's output code."""
+"""graphfuse.analysis.kernels (tools/kernel_launches.py prints it): kernels defined and launched in
+inductor's output code."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from tests._common import ROOT
-
-sys.path.insert(0, str(ROOT / "tools"))
-
-import kernel_launches as kl  # noqa: E402
+from graphfuse import analysis as kl
 
 # The shape of a CUDA output module (abridged): two kernel families, one launched per block.
 MODULE = '''
@@ -22,7 +17,8 @@ def triton_poi_fused_cat_view_86(in_ptr0, out_ptr0, xnumel, XBLOCK):
 triton_poi_fused_cat_view_87 = async_compile.triton('triton_poi_fused_cat_view_87', """
 """, device_str='cuda')
 
-triton_per_fused_native_layer_norm_backward_view_78 = async_compile.triton('triton_per_fused_native_layer_norm_backward_view_78', """
+triton_per_fused_native_layer_norm_backward_view_78 =
+async_compile.triton('triton_per_fused_native_layer_norm_backward_view_78', """
 """, device_str='cuda')
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphfuse.passes import run_pipeline
-from graphfuse.passes.graph import is_collective, issues_collective
 
 import graphfuse as gf
 from graphfuse.compiler import pieces as P
 from graphfuse.compiler.in_place import in_place_graph
+from graphfuse.passes import run_pipeline
+from graphfuse.passes.graph import is_collective, issues_collective
 from graphfuse.runtime.batches import flatten_batch
 from graphfuse.runtime.execute import run_step
 from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
@@ -90,7 +90,11 @@ def test_a_bucket_cut_across_pieces_is_packed_in_part_where_its_gradients_are():
     cats = [(p, n) for p, piece in enumerate(pieces) for n in piece.gm.graph.nodes if n.target is CAT]
     # The bucket's own cat: the largest that its piece uses itself (a part is handed on).
     p, cat = max(((p, n) for p, n in cats if all(u.op != "output" for u in n.users)), key=lambda pc: len(pc[1].args[0]))
-    from_outside = [a for a in cat.args[0] if _root(a).op == "placeholder" and _root(a).name not in {s.name for s in program.signature.inputs}]
+    from_outside = [
+        a
+        for a in cat.args[0]
+        if _root(a).op == "placeholder" and _root(a).name not in {s.name for s in program.signature.inputs}
+    ]
     computed_before = [a for a in cat.args[0] if a.op == "placeholder" or _root(a).op == "placeholder"]
     outside = [a for a in from_outside if a.name.startswith("cat")]
     # The bucket's cat (gradients and their padding) is in one of the last two pieces (just
@@ -116,7 +120,9 @@ def test_pieces_run_eagerly_give_the_program_bitwise(k):
     for step, batch in enumerate(batches, 1):
         leaves = flatten_batch(batch)[1]
         loss_a = run_step(dm_a.program, runner, dm_a.tensors, opt_a.param_groups, [step], [{}], leaves)[0]
-        loss_b = run_step(dm_b.program, dm_b.program.graph_module, dm_b.tensors, opt_b.param_groups, [step], [{}], leaves)[0]
+        loss_b = run_step(
+            dm_b.program, dm_b.program.graph_module, dm_b.tensors, opt_b.param_groups, [step], [{}], leaves
+        )[0]
         assert torch.equal(loss_a, loss_b)
     for name, t in dm_a.tensors.items():
         assert torch.equal(t, dm_b.tensors[name]), name

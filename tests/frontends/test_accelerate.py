@@ -34,7 +34,13 @@ class TiedLM(torch.nn.Module):
 
 
 def _loop(
-    graphfuse: bool, ckpt: str, optim: str = "adamw", max_norm: float = 1e6, save: bool = False, resume: bool = False, compile: bool = False
+    graphfuse: bool,
+    ckpt: str,
+    optim: str = "adamw",
+    max_norm: float = 1e6,
+    save: bool = False,
+    resume: bool = False,
+    compile: bool = False,
 ) -> dict:
     """The usual accelerate loop for STEPS steps (from SAVE_AT when resuming from `ckpt`)."""
     from accelerate import Accelerator
@@ -43,13 +49,19 @@ def _loop(
 
     torch.manual_seed(0)
     model = TiedLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False) if optim == "adamw" else torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        if optim == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=0.5)
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     data = torch.randint(0, 32, (64, 9), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
     accelerator = Accelerator(cpu=True)
     objects = (model, opt, loader, sched)
-    model, opt, loader, sched = prepare(accelerator, *objects, compile=compile) if graphfuse else accelerator.prepare(*objects)
+    model, opt, loader, sched = (
+        prepare(accelerator, *objects, compile=compile) if graphfuse else accelerator.prepare(*objects)
+    )
     start = SAVE_AT if resume else 0
     if resume:
         accelerator.load_state(ckpt)
@@ -142,7 +154,9 @@ def test_compiled_model_clips_by_the_global_norm_as_accelerate_does(results):
     for r in ranks:
         mine, plain = r["compiled"], r["plain_clip"]
         assert mine["reduced"] and mine["model"] == "TiedLM"
-        assert all(abs(g - p) <= 1e-5 * p for g, p in zip(mine["norms"], plain["norms"])) and len(mine["norms"]) == STEPS
+        assert (
+            all(abs(g - p) <= 1e-5 * p for g, p in zip(mine["norms"], plain["norms"])) and len(mine["norms"]) == STEPS
+        )
         assert _diff(mine["weights"], plain["weights"]) < 1e-6
 
 

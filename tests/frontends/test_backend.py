@@ -4,9 +4,9 @@ fused, sharded optimizer step."""
 import pytest
 import torch
 import torch.distributed as dist
-from graphfuse.passes.graph import count_targets
 
 import graphfuse as gf
+from graphfuse.passes.graph import count_targets
 from tests._common import run_ranks
 
 

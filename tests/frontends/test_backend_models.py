@@ -171,5 +171,8 @@ def test_one_graph_reused_for_another_block_of_the_same_optimizer_after_its_back
     x = torch.randn(4, 8)
     compiled(x, 2).sum().backward()  # the second graph's backward is rewritten for blocks.1
     assert all(buckets for _, buckets in opt.backward_graphs)
-    with pytest.raises(gf.UnsupportedError, match=r"same gf.shard_optimizer.*blocks\.2\.fc\.weight where it had blocks\.1\.fc\.weight.*loop"):
+    with pytest.raises(
+        gf.UnsupportedError,
+        match=r"same gf.shard_optimizer.*blocks\.2\.fc\.weight where it had blocks\.1\.fc\.weight.*loop",
+    ):
         compiled(x, 3)

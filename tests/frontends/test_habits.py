@@ -279,7 +279,13 @@ def _weights_follow(rank: int, world: int) -> dict:
     torch.manual_seed(1)
     bf16 = model_().to(torch.bfloat16)
     opt = torch.optim.AdamW(bf16.parameters(), lr=1e-2, foreach=False)
-    dm = gf.compile(bf16, opt, loss_of, (data[0][0].bfloat16(), data[0][1].bfloat16()), strategy=_strategy(master_dtype=torch.float32))
+    dm = gf.compile(
+        bf16,
+        opt,
+        loss_of,
+        (data[0][0].bfloat16(), data[0][1].bfloat16()),
+        strategy=_strategy(master_dtype=torch.float32),
+    )
     dm((data[0][0].bfloat16(), data[0][1].bfloat16()))
     bf16.load_state_dict(model_().to(torch.bfloat16).state_dict())  # other weights, copied in place
     masters = [(n, t) for n, t in dm.named_slices() if n.endswith(".master")]

@@ -14,7 +14,9 @@ STEPS, ACCUM = 6, 2
 
 def model_() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)
+    )
 
 
 def batches(rank: int, n: int) -> list:
@@ -49,7 +51,9 @@ def accumulate(model, micro: list, loss_fn=loss_of) -> torch.Tensor:
     return total
 
 
-def ddp_step(model, opt, micro: list, world: int, clip: float | None = None, layout=None, loss_fn=loss_of) -> torch.Tensor:
+def ddp_step(
+    model, opt, micro: list, world: int, clip: float | None = None, layout=None, loss_fn=loss_of
+) -> torch.Tensor:
     """The reference: accumulate locally, all-reduce the average once (DDP's no_sync), step.
     With `layout`, one all-reduce per flat bucket as graphfuse lays them out (DDP buckets too)."""
     opt.zero_grad()
@@ -78,8 +82,14 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=16, attn_implementation="sdpa",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        attn_implementation="sdpa",
     )
     return LlamaForCausalLM(cfg)
 
@@ -209,10 +219,14 @@ def _eager_llama(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     mine = llama()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
-    opt = gf.shard_optimizer(torch.optim.AdamW(mine.parameters(), lr=3e-3, weight_decay=0.1), gf.Strategy(bucket_size_mb=0.02), model=mine)
+    opt = gf.shard_optimizer(
+        torch.optim.AdamW(mine.parameters(), lr=3e-3, weight_decay=0.1), gf.Strategy(bucket_size_mb=0.02), model=mine
+    )
     losses = []
     for batch in synthetic_tokens(GPTConfig(vocab_size=64, block_size=16), 4, 10, seed=rank):
-        losses.append((ddp_step(ref, ref_opt, [batch], world, loss_fn=lm_loss), sharded_step(mine, opt, [batch], lm_loss)))
+        losses.append(
+            (ddp_step(ref, ref_opt, [batch], world, loss_fn=lm_loss), sharded_step(mine, opt, [batch], lm_loss))
+        )
     return {
         "losses_equal": all(torch.equal(a, b) for a, b in losses),
         "bitwise": all(torch.equal(a, b) for a, b in zip(ref.parameters(), mine.parameters())),

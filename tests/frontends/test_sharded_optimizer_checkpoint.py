@@ -125,4 +125,3 @@ def test_in_memory_state_dict_round_trip_in_both_modes():
         for fqn, states in saved["state"].items():
             for k, v in states.items():
                 assert torch.equal(loaded["state"][fqn][k], v), (mode, fqn, k)
-

@@ -33,8 +33,18 @@ def _model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -67,7 +77,9 @@ def _snapshot(trainer) -> dict:
     }
 
 
-def _train(kind: str, out: str, world: int, resume: str | None = None, optim: str = "adamw_torch", model=_model, opt=None, **kw) -> dict:
+def _train(
+    kind: str, out: str, world: int, resume: str | None = None, optim: str = "adamw_torch", model=_model, opt=None, **kw
+) -> dict:
     """Train STEPS steps with Trainer ("plain") or GraphfuseTrainer (given `opt(model)` as its optimizer, if
     any); the logged losses and grad norms, the final weights, and snapshots where training began (after a
     resume's load) and at each save."""
@@ -84,9 +96,22 @@ def _train(kind: str, out: str, world: int, resume: str | None = None, optim: st
         def on_save(self, args, state, control, **_):
             snaps[state.global_step] = _snapshot(trainer)
 
-    args = dict(output_dir=out, use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=4 // world,
-                gradient_accumulation_steps=ACCUM, logging_steps=1, save_strategy="no", optim=optim, seed=0,
-                learning_rate=0.1 if optim == "sgd" else 1e-2, max_grad_norm=0.0, disable_tqdm=True, log_level="error")
+    args = dict(
+        output_dir=out,
+        use_cpu=True,
+        report_to=[],
+        max_steps=STEPS,
+        per_device_train_batch_size=4 // world,
+        gradient_accumulation_steps=ACCUM,
+        logging_steps=1,
+        save_strategy="no",
+        optim=optim,
+        seed=0,
+        learning_rate=0.1 if optim == "sgd" else 1e-2,
+        max_grad_norm=0.0,
+        disable_tqdm=True,
+        log_level="error",
+    )
     cls = Trainer if kind == "plain" else GraphfuseTrainer
     net, args = model(), TrainingArguments(**{**args, **kw})
     optimizers = (opt(net), None) if opt else (None, None)
@@ -94,14 +119,16 @@ def _train(kind: str, out: str, world: int, resume: str | None = None, optim: st
     trainer.train(resume_from_checkpoint=resume)
     logs = [h for h in trainer.state.log_history if "loss" in h and h["step"] > (SAVE_AT if resume else 0)]
     sharded = getattr(trainer, "sharded_optimizer", None)
-    return _host({
-        "losses": [h["loss"] for h in logs],
-        "norms": [h["grad_norm"] for h in logs],
-        "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-        "wrapped": type(trainer.model_wrapped).__name__,
-        "reduced_in_backward": sharded is not None and any(b for _, b in sharded.backward_graphs),
-        "snapshots": snaps,
-    })
+    return _host(
+        {
+            "losses": [h["loss"] for h in logs],
+            "norms": [h["grad_norm"] for h in logs],
+            "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            "wrapped": type(trainer.model_wrapped).__name__,
+            "reduced_in_backward": sharded is not None and any(b for _, b in sharded.backward_graphs),
+            "snapshots": snaps,
+        }
+    )
 
 
 def _users_sharded_adamw(model) -> gf.ShardedOptimizer:
@@ -121,7 +148,13 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict:
         "gf_unclipped": _train("gf", f"{tmp}/gf_unclipped", world, optim="sgd"),
         "tiny": _train("plain", f"{tmp}/tiny", world, optim="sgd", max_grad_norm=CLIP, model=TinyLM),
         "compiled": _train(
-            "gf", f"{tmp}/compiled", world, optim="sgd", max_grad_norm=CLIP, model=TinyLM, torch_compile_backend="graphfuse"
+            "gf",
+            f"{tmp}/compiled",
+            world,
+            optim="sgd",
+            max_grad_norm=CLIP,
+            model=TinyLM,
+            torch_compile_backend="graphfuse",
         ),
     }
     out["files"] = sorted(os.listdir(f"{tmp}/gf/checkpoint-{SAVE_AT}"))
@@ -213,14 +246,20 @@ def test_max_grad_norm_clips_as_trainer_does(two):
 def test_compiled_trainer_reduces_in_the_backward_and_trains_as_trainer(two):
     for r in two:
         plain, mine = r["tiny"], r["compiled"]
-        assert mine["reduced_in_backward"] and mine["wrapped"] == "TinyLM" and plain["wrapped"] == "DistributedDataParallel"
+        assert (
+            mine["reduced_in_backward"]
+            and mine["wrapped"] == "TinyLM"
+            and plain["wrapped"] == "DistributedDataParallel"
+        )
         assert _close_norms(mine["norms"], plain["norms"])
         assert max(abs(a - b) for a, b in zip(mine["losses"], plain["losses"])) < 1e-5
         assert _diff(mine["weights"], plain["weights"]) < 1e-6
 
 
 def test_resume_from_checkpoint_at_2_ranks_is_bitwise(two):
-    assert {"graphfuse", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= set(two[0]["files"])
+    assert {"graphfuse", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= set(
+        two[0]["files"]
+    )
     for r in two:
         assert r["resumed"]["losses"] == r["gf"]["losses"][SAVE_AT:]
         assert _same(r["resumed"]["weights"], r["gf"]["weights"])
@@ -235,7 +274,9 @@ def test_resume_from_2_ranks_at_1_rank_loads_the_state_bitwise_and_trains_on(one
     saved, resumed, uninterrupted = two[0]["gf"]["snapshots"][SAVE_AT], one["from_2_ranks"], two[0]["gf"]
     begun = resumed["snapshots"]["begin"]
     assert _same(begun["weights"], saved["weights"])
-    assert begun["optim"].keys() == saved["optim"].keys() and all(_same(begun["optim"][i], s) for i, s in saved["optim"].items())
+    assert begun["optim"].keys() == saved["optim"].keys() and all(
+        _same(begun["optim"][i], s) for i, s in saved["optim"].items()
+    )
     assert max(abs(a - b) for a, b in zip(resumed["losses"], uninterrupted["losses"][SAVE_AT:])) < 1e-5
     assert len(resumed["losses"]) == STEPS - SAVE_AT and _diff(resumed["weights"], uninterrupted["weights"]) < 1e-5
 

@@ -11,13 +11,35 @@ import sys
 
 from tests._common import ROOT
 
-TINY = ["--device", "cpu", "--world-size", "2", "--layers", "1", "--embd", "32", "--heads", "2", "--vocab", "64", "--block", "16", "--batch", "2"]
+TINY = [
+    "--device",
+    "cpu",
+    "--world-size",
+    "2",
+    "--layers",
+    "1",
+    "--embd",
+    "32",
+    "--heads",
+    "2",
+    "--vocab",
+    "64",
+    "--block",
+    "16",
+    "--batch",
+    "2",
+]
 
 
 def bench(*args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, os.path.join(str(ROOT), "tools", "bench_multigpu.py"), *args, *TINY],
-                          capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [sys.executable, os.path.join(str(ROOT), "tools", "bench_multigpu.py"), *args, *TINY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record["world_size"] == 2 and record["device"] == "cpu" and "Gloo" in record["machine"]
@@ -43,7 +65,9 @@ def test_correctness_matches_eager_data_parallel_and_shards_state():
 
 def test_comm_reports_bytes_and_a_bandwidth_ratio():
     # bf16 + fp32 master: the reduce-scatter and the all-gather move different dtypes.
-    record = bench("comm", "--steps", "2", "--warmup", "1", "--iters", "3", "--bucket-mb", "0.02", "0.1", "--dtype", "bf16")
+    record = bench(
+        "comm", "--steps", "2", "--warmup", "1", "--iters", "3", "--bucket-mb", "0.02", "0.1", "--dtype", "bf16"
+    )
     r = record["results"]
     assert set(r) == {"0.02", "0.1"}
     for mb, res in r.items():

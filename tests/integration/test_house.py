@@ -4,10 +4,13 @@ no function over 60 lines (measured with ast, from `def` to its last line)."""
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 from tests._common import ROOT
 
@@ -128,3 +131,68 @@ def test_the_graph_sees_a_lazy_import_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     _, graph = import_graph()
     assert list(nx.simple_cycles(graph)) and not nx.is_directed_acyclic_graph(room_graph(graph))
+
+
+# ---- issue 29, change 10: the type checker ([tool.mypy] in pyproject.toml) ------------------------
+
+
+def _mypy(*args: str) -> subprocess.CompletedProcess:
+    pytest.importorskip("mypy", reason="mypy is not installed (the test extra: pip install -e .[test])")
+    return subprocess.run([sys.executable, "-m", "mypy", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _failing_modules(report: str) -> set[str]:
+    """The modules of mypy's error lines ("path:line: error: ..."); passes/ is read as graphfuse.passes."""
+    paths = {line.split(":", 1)[0] for line in report.splitlines() if ": error:" in line}
+    return {
+        _module_name(ROOT / p.removeprefix("tools/typecheck/").replace("graphfuse/passes/", "passes/", 1))
+        for p in paths
+    }
+
+
+def _ini_without_ignored(config: dict) -> str:
+    """pyproject's [tool.mypy] as a mypy.ini, less the overrides that ignore errors."""
+
+    def value(v: object) -> str:
+        return ", ".join(v) if isinstance(v, list) else str(v)
+
+    lines = ["[mypy]", *(f"{k} = {value(v)}" for k, v in config.items() if k != "overrides")]
+    for o in config.get("overrides", []):
+        if not o.get("ignore_errors"):
+            lines += [
+                f"[mypy-{value(o['module']).replace(' ', '')}]",
+                *(f"{k} = {value(v)}" for k, v in o.items() if k != "module"),
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def test_mypy_reads_passes_as_graphfuse_passes():
+    assert (ROOT / "tools/typecheck/graphfuse/passes").resolve() == (ROOT / "passes").resolve()
+    assert _failing_modules("tools/typecheck/graphfuse/passes/verify.py:1: error: x") == {"graphfuse.passes.verify"}
+
+
+def test_mypy_finds_errors_exactly_in_the_modules_its_overrides_ignore(tmp_path):
+    """One mypy run without the ignore_errors overrides: the modules that fail are exactly those
+    listed, so with the overrides mypy reports no error and a fixed module must leave the list."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    ignored = {m for o in config.get("overrides", []) if o.get("ignore_errors") for m in o["module"]}
+    (tmp_path / "mypy.ini").write_text(_ini_without_ignored(config))
+    result = _mypy("--config-file", str(tmp_path / "mypy.ini"))
+    assert result.returncode in (0, 1), result.stdout + result.stderr  # 2: mypy itself failed (the config)
+    sources = sum(1 for package in ("graphfuse", "passes") for _ in (ROOT / package).rglob("*.py"))
+    assert f" {sources} source files" in result.stdout, result.stdout  # every module, passes/ included
+    failing = _failing_modules(result.stdout)
+    assert failing == ignored, (
+        f"fixed, remove from the ignore_errors overrides in pyproject.toml: {sorted(ignored - failing)}; "
+        f"failing but not listed: {sorted(failing - ignored)}"
+    )
+
+
+def test_pyproject_installs_every_package():
+    """A package missing from [tool.setuptools] packages imports from a source tree or an editable
+    install and is absent from a wheel."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(d.relative_to(ROOT).parts) for d in (ROOT / "graphfuse").rglob("*") if (d / "__init__.py").is_file()
+    }
+    assert found | {"graphfuse", "graphfuse.passes"} == listed

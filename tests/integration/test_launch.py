@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from graphfuse.errors import GraphfuseError
 from graphfuse.testing import launch
 from tests._common import ROOT
 
@@ -47,6 +48,18 @@ def _rank0_hangs_rank1_raises(rank: int, world: int) -> None:
     if rank == 1:
         raise KeyError("rank 1's own bug")
     time.sleep(120)  # stuck, never reports: must not hold the report past the grace period
+
+
+def _sleeps(rank: int, world: int) -> None:
+    time.sleep(120)
+
+
+def test_a_rank_past_the_timeout_is_a_rank_failure_not_an_assertion():
+    with pytest.raises(launch.RankFailure) as info:
+        launch.run_ranks(_sleeps, 1, timeout=3)
+    assert info.value.rank == 0 and "still running after the 3s timeout" in info.value.traceback
+    # a crash or a hang is not a failed assertion: `except AssertionError` must not swallow it
+    assert isinstance(info.value, GraphfuseError) and not isinstance(info.value, AssertionError)
 
 
 def test_a_hung_peer_does_not_hold_the_report_past_the_grace_period():
@@ -100,7 +113,9 @@ def test_root_cause_orders_own_failures_before_lost_peers():
     earlier_own = launch.Outcome(1, False, "KeyError", at=3.0)
     cause, others = launch.root_cause([own, lost, earlier_own])
     assert cause is earlier_own and others == [own, lost]
-    assert launch.is_peer_error("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
+    assert launch.is_peer_error(
+        "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"
+    )
     assert not launch.is_peer_error("ValueError: rank 1's own bug")
 
 
@@ -123,7 +138,8 @@ def _gone(pid: int) -> bool:
 def test_ranks_die_with_a_killed_launcher(tmp_path, sig):
     """A launcher killed by SIGTERM (a scheduler's cancel) or SIGKILL left its ranks running."""
     code = (
-        f"import sys; sys.path.insert(0, {HERE!r}); from graphfuse.testing import launch; import tests.integration.test_launch as t; "
+        f"import sys; sys.path.insert(0, {HERE!r}); from graphfuse.testing import launch; import "
+        f"tests.integration.test_launch as t; "
         f"launch.run_ranks(t._write_pid_and_sleep, 2, {str(tmp_path)!r}, timeout=600)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
@@ -146,3 +162,23 @@ def test_ranks_die_with_a_killed_launcher(tmp_path, sig):
             f = tmp_path / f"pid{r}"
             if f.exists() and not _gone(int(f.read_text() or 0)):
                 os.kill(int(f.read_text()), signal.SIGKILL)
+
+
+def _env_and_parent(rank: int, world: int, name: str) -> tuple[str | None, int]:
+    return os.environ.get(name), os.getppid()
+
+
+def test_ranks_see_the_callers_environment_also_when_it_changed_after_the_forkserver_started(monkeypatch):
+    """Ranks fork from a server that imported torch once; a variable set after the server started
+    reaches them anyway (that run spawns fresh interpreters), and an unchanged one forks again."""
+    before = launch.run_ranks(_env_and_parent, 2, "GRAPHFUSE_TEST_LAUNCH_ENV")
+    assert [value for value, _ in before] == [None, None]
+    monkeypatch.setenv("GRAPHFUSE_TEST_LAUNCH_ENV", "set after the server started")
+    changed = launch.run_ranks(_env_and_parent, 2, "GRAPHFUSE_TEST_LAUNCH_ENV")
+    assert [value for value, _ in changed] == ["set after the server started"] * 2
+    assert all(parent == os.getpid() for _, parent in changed)  # spawned by this process
+    monkeypatch.delenv("GRAPHFUSE_TEST_LAUNCH_ENV")
+    again = launch.run_ranks(_env_and_parent, 2, "GRAPHFUSE_TEST_LAUNCH_ENV")
+    assert [value for value, _ in again] == [None, None]
+    if sys.platform.startswith("linux"):
+        assert all(parent != os.getpid() for _, parent in again)  # forked by the server

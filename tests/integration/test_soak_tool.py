@@ -1,5 +1,6 @@
 """tools/soak.py end to end, briefly (2 Gloo ranks, a few steps): the tool runs, its GPT has
-the several buckets the soak needs, and the default strategy on Gloo is bounded."""
+the several buckets the soak needs, and the default strategy on Gloo is bounded; and the
+per-rank progress files (graphfuse.testing.progress) it reports a timed-out run with."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 
+from graphfuse.testing.progress import heartbeat, reached
 from tests._common import ROOT
 
 
@@ -23,12 +25,9 @@ def test_soak_reports_each_run_with_the_gloo_bound():
 
 
 def test_a_run_past_its_timeout_reports_how_far_each_rank_got(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("soak", os.path.join(str(ROOT), "tools", "soak.py"))
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
-    soak._heartbeat(str(tmp_path), 0, 1234)
-    reached = soak._progress(str(tmp_path), 2)
-    assert reached[0].startswith("step 1234, ") and reached[0].endswith("s ago")
-    assert reached[1] == "no step finished"
+    heartbeat(tmp_path, 0, 1234)
+    got = reached(tmp_path, 2)
+    assert got[0].startswith("step 1234, ") and got[0].endswith("s ago")
+    assert got[1] == "no step finished"
+    heartbeat(tmp_path, 0, 1300)  # a later step replaces the earlier one whole
+    assert reached(tmp_path, 1)[0].startswith("step 1300, ") and not list(tmp_path.glob("*.tmp"))

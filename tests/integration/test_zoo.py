@@ -32,8 +32,16 @@ def _hf(cls_name: str, cfg_name: str, **cfg):
     return getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**cfg))
 
 
-_DEC = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+_DEC = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    use_cache=False,
+)
 
 
 def lm_loss(model, batch):
@@ -48,8 +56,19 @@ def tokens(step: int, rank: int):
 
 
 def gpt2(dropout: float = 0.0, checkpointing: bool = False):
-    model = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False)
+    model = _hf(
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        use_cache=False,
+    )
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.transformer.h[0].mlp.requires_grad_(False)  # frozen, next to the tied wte/lm_head
@@ -76,8 +95,13 @@ class ResNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
-        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                                   nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+        self.block = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+        )
         self.down = nn.Conv2d(8, 16, 2, stride=2)
         self.head = nn.Linear(16, 5)
         self.to(memory_format=torch.channels_last)
@@ -126,17 +150,74 @@ ZOO = {
     "llama": (lambda: _hf("LlamaForCausalLM", "LlamaConfig", **_DEC), lm_loss, tokens),
     "mistral": (lambda: _hf("MistralForCausalLM", "MistralConfig", **_DEC), lm_loss, tokens),
     "qwen2": (lambda: _hf("Qwen2ForCausalLM", "Qwen2Config", **_DEC), lm_loss, tokens),
-    "mixtral": (lambda: _hf("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, **_DEC),
-                lm_loss, tokens),
-    "bert": (lambda: _hf("BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32), lm_loss, tokens),
-    "t5": (lambda: _hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64,
-                       num_layers=1, num_heads=4, decoder_start_token_id=0, use_cache=False), lm_loss, seq2seq_tokens),
-    "bart": (lambda: _hf("BartForConditionalGeneration", "BartConfig", vocab_size=VOCAB, d_model=32, encoder_layers=1,
-                         decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                         decoder_ffn_dim=64, max_position_embeddings=32, use_cache=False), lm_loss, seq2seq_tokens),
-    "vit": (lambda: _hf("ViTForImageClassification", "ViTConfig", image_size=16, patch_size=4, hidden_size=32,
-                        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_labels=5), vit_loss, images),
+    "mixtral": (
+        lambda: _hf("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, **_DEC),
+        lm_loss,
+        tokens,
+    ),
+    "bert": (
+        lambda: _hf(
+            "BertForMaskedLM",
+            "BertConfig",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+        ),
+        lm_loss,
+        tokens,
+    ),
+    "t5": (
+        lambda: _hf(
+            "T5ForConditionalGeneration",
+            "T5Config",
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=1,
+            num_heads=4,
+            decoder_start_token_id=0,
+            use_cache=False,
+        ),
+        lm_loss,
+        seq2seq_tokens,
+    ),
+    "bart": (
+        lambda: _hf(
+            "BartForConditionalGeneration",
+            "BartConfig",
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=32,
+            use_cache=False,
+        ),
+        lm_loss,
+        seq2seq_tokens,
+    ),
+    "vit": (
+        lambda: _hf(
+            "ViTForImageClassification",
+            "ViTConfig",
+            image_size=16,
+            patch_size=4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_labels=5,
+        ),
+        vit_loss,
+        images,
+    ),
     "resnet_bn_channels_last": (ResNet, classify_loss, images),
     "lstm": (lambda: RNN(nn.LSTM), rnn_loss, tokens),
     "gru": (lambda: RNN(nn.GRU), rnn_loss, tokens),
@@ -168,7 +249,9 @@ def _program_file_continues(name: str, dm: gf.DistModel, model: nn.Module, steps
         torch.manual_seed(100 + step)  # the same dropout masks in both runs
         expected = dm(batch_of(step, 0))
         torch.manual_seed(100 + step)
-        assert torch.equal(expected, loaded(batch_of(step, 0))), f"{name} from its program file, step {step}: loss differs"
+        assert torch.equal(expected, loaded(batch_of(step, 0))), (
+            f"{name} from its program file, step {step}: loss differs"
+        )
     theirs = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
     assert all(torch.equal(t, theirs[n]) for n, t in [*model.named_parameters(), *model.named_buffers()]), name
 
@@ -212,8 +295,14 @@ def test_reentrant_checkpointing_is_refused_by_name():
 def test_moe_with_a_per_expert_loop_is_refused_naming_the_op_and_module():
     """transformers' "eager" experts loop over the experts that `nonzero` finds: a shape that
     depends on the routing, which a traced program cannot have."""
-    model = _hf("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
-                experts_implementation="eager", **_DEC)
+    model = _hf(
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        experts_implementation="eager",
+        **_DEC,
+    )
     with pytest.raises(gf.UnsupportedError, match="reads a tensor's value on the host") as info:
         gf.compile(model, adamw(model), lm_loss, tokens(0, 0))
     assert "aten.nonzero" in str(info.value)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphfuse as gf
-from graphfuse.errors import GraphfuseError, UnsupportedError
+from graphfuse.errors import ProgramFormatError, UnsupportedError
 from graphfuse.ir.blocks import MIN_ALIGNED_BLOCK_BYTES, aligned_blocks, block_of
 from graphfuse.ir.layout import Box, BucketLayout, ParamInfo, flat_boxes, itemsize, plan_buckets
 
@@ -145,6 +145,16 @@ def test_fingerprint_is_stable_and_layout_round_trips_through_json(params, world
     assert loaded.fingerprint == layout.fingerprint
 
 
+def test_a_layout_of_another_format_and_a_world_of_no_ranks_are_refused_as_library_errors():
+    d = plan_buckets([ParamInfo("a", (100,), "float32", "cpu", 0)], 2, 256, 4096).to_json()
+    with pytest.raises(
+        ProgramFormatError, match="bucket layout format 99 is not .*the graphfuse version that wrote it"
+    ):
+        BucketLayout.from_json({**d, "format": 99})
+    with pytest.raises(UnsupportedError, match="world_size must be >= 1, got 0"):
+        plan_buckets([ParamInfo("a", (100,), "float32", "cpu", 0)], 0, 256, 4096)
+
+
 BASE = [
     ParamInfo("a", (100,), "float32", "cpu", 0),
     ParamInfo("b", (7, 3), "float32", "cpu", 0),
@@ -187,8 +197,11 @@ def test_parameter_straddling_ranks_is_split_into_one_slice_per_rank():
 
 
 def test_parameter_larger_than_the_cap_gets_a_bucket_of_its_own():
-    params = [ParamInfo("small", (4,), "float32", "cpu", 0), ParamInfo("big", (1000,), "float32", "cpu", 0),
-              ParamInfo("small2", (4,), "float32", "cpu", 0)]
+    params = [
+        ParamInfo("small", (4,), "float32", "cpu", 0),
+        ParamInfo("big", (1000,), "float32", "cpu", 0),
+        ParamInfo("small2", (4,), "float32", "cpu", 0),
+    ]
     layout = plan_buckets(params, 2, 16, 1024)
     assert [b.fqns for b in layout.buckets] == [("small",), ("big",), ("small2",)]
     assert layout.buckets[1].nbytes == 4000
@@ -245,9 +258,13 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-boxes_st = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple).flatmap(
-    lambda shape: st.tuples(st.just(shape), st.integers(0, _numel(shape)), st.integers(0, _numel(shape))).map(
-        lambda t: (t[0], min(t[1], t[2]), max(t[1], t[2]))
+boxes_st = (
+    st.lists(st.integers(1, 5), min_size=0, max_size=4)
+    .map(tuple)
+    .flatmap(
+        lambda shape: st.tuples(st.just(shape), st.integers(0, _numel(shape)), st.integers(0, _numel(shape))).map(
+            lambda t: (t[0], min(t[1], t[2]), max(t[1], t[2]))
+        )
     )
 )
 
@@ -289,8 +306,14 @@ def test_flat_boxes_example_a_range_across_rows():
 # ---- Strategy.align_buckets_to_blocks -------------------------------------------------------
 
 block_params_st = st.lists(
-    st.tuples(st.integers(-1, 3), shapes, st.sampled_from(DTYPES), st.integers(0, 1)), min_size=1, max_size=14,
-).map(lambda rows: [ParamInfo(f"h.{b}.w{i}" if b >= 0 else f"head.w{i}", s, d, "cpu", g) for i, (b, s, d, g) in enumerate(rows)])
+    st.tuples(st.integers(-1, 3), shapes, st.sampled_from(DTYPES), st.integers(0, 1)),
+    min_size=1,
+    max_size=14,
+).map(
+    lambda rows: [
+        ParamInfo(f"h.{b}.w{i}" if b >= 0 else f"head.w{i}", s, d, "cpu", g) for i, (b, s, d, g) in enumerate(rows)
+    ]
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -302,15 +325,25 @@ def test_blocks_keep_every_invariant_and_a_bucket_holds_one_block_or_none(params
         assert len(bucket.slots) == 1 or bucket.nbytes <= cap  # the cap holds as without blocks
         runs = [block_of(s.fqn) for s in bucket.slots]
         # One block per bucket, unless the backward interleaves two (the order given here is random).
-        contiguous = all(block_of(p.fqn) == block_of(q.fqn) for p, q in zip(params, params[1:]) if block_of(p.fqn) and block_of(q.fqn))
+        contiguous = all(
+            block_of(p.fqn) == block_of(q.fqn)
+            for p, q in zip(params, params[1:])
+            if block_of(p.fqn) and block_of(q.fqn)
+        )
         if contiguous:
             assert len(set(runs)) == 1, runs
 
 
 def _gpt_like(n_blocks: int) -> list[ParamInfo]:
     """Backward order of a small transformer: head, blocks last to first, embeddings."""
-    block = [("mlp.proj.bias", (64,)), ("mlp.proj.weight", (64, 256)), ("mlp.fc.weight", (256, 64)),
-             ("ln.weight", (64,)), ("attn.qkv.weight", (192, 64)), ("attn.qkv.bias", (192,))]
+    block = [
+        ("mlp.proj.bias", (64,)),
+        ("mlp.proj.weight", (64, 256)),
+        ("mlp.fc.weight", (256, 64)),
+        ("ln.weight", (64,)),
+        ("attn.qkv.weight", (192, 64)),
+        ("attn.qkv.bias", (192,)),
+    ]
     params = [ParamInfo("ln_f.weight", (64,), "float32", "cpu", 0)]
     for b in reversed(range(n_blocks)):
         params += [ParamInfo(f"transformer.h.{b}.{name}", shape, "float32", "cpu", 0) for name, shape in block]
@@ -364,7 +397,10 @@ def test_auto_aligns_repeated_blocks_of_a_mebibyte_or_more_and_packs_the_rest():
 def test_auto_leaves_a_block_that_does_not_repeat_to_share_a_bucket():
     # Three blocks of one shape and one of another (a differently sized last layer): only the
     # three repeat, so only they can share kernels; the odd one packs with the head.
-    params = [ParamInfo("head.w", (512, 512), "float32", "cpu", 0), ParamInfo("h.3.w", (512, 1024), "float32", "cpu", 0)]
+    params = [
+        ParamInfo("head.w", (512, 512), "float32", "cpu", 0),
+        ParamInfo("h.3.w", (512, 1024), "float32", "cpu", 0),
+    ]
     params += [ParamInfo(f"h.{b}.w", (512, 512), "float32", "cpu", 0) for b in reversed(range(3))]
     assert set(aligned_blocks(params, "auto").values()) == {"h.0", "h.1", "h.2"}
     layout = plan_buckets(params, 1, 256, 1 << 30, blocks=aligned_blocks(params, "auto"))
@@ -375,7 +411,7 @@ def test_auto_leaves_a_block_that_does_not_repeat_to_share_a_bucket():
 
 
 def test_align_rule_must_be_true_false_or_auto():
-    with pytest.raises(GraphfuseError, match="True, False or 'auto'"):
+    with pytest.raises(UnsupportedError, match="True, False or 'auto'"):
         aligned_blocks(_gpt_like(2), "yes")
     for bad in ("yes", 1, None):
         with pytest.raises(UnsupportedError, match="align_buckets_to_blocks must be True, False or 'auto'"):

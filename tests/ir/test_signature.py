@@ -59,7 +59,9 @@ def test_every_placeholder_has_exactly_one_role(captured):
     canonical = dict(model.named_parameters())
     assert sorted(program.signature.names(sig.PARAM) + program.signature.names(sig.FROZEN)) == sorted(canonical)
     assert sorted(program.signature.names(sig.BUFFER)) == sorted(dict(model.named_buffers()))
-    assert all(program.inputs_meta[s.name].shape == tuple(canonical[s.name].shape) for s in specs if s.role == sig.PARAM)
+    assert all(
+        program.inputs_meta[s.name].shape == tuple(canonical[s.name].shape) for s in specs if s.role == sig.PARAM
+    )
 
 
 def test_every_output_has_exactly_one_role_and_target(captured):
@@ -88,7 +90,10 @@ def test_every_trainable_parameter_has_exactly_one_gradient_node(captured):
         node = program.node(name)
         assert node.op == "call_function" and node.meta["phase"] == sig.BACKWARD, f"{fqn}: {node.format_node()}"
         val = node.meta["val"]
-        assert tuple(val.shape) == program.inputs_meta[fqn].shape and str(val.dtype) == f"torch.{program.inputs_meta[fqn].dtype}"
+        assert (
+            tuple(val.shape) == program.inputs_meta[fqn].shape
+            and str(val.dtype) == f"torch.{program.inputs_meta[fqn].dtype}"
+        )
 
 
 def test_every_node_has_a_phase_and_each_phase_is_present(captured):

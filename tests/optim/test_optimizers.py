@@ -28,18 +28,26 @@ OPTIMIZERS = {
     "rmsprop_centered_momentum": lambda m: torch.optim.RMSprop(
         _groups(m, 1e-2, momentum=0.0), lr=1e-2, alpha=0.9, momentum=0.8, centered=True, foreach=False
     ),
-    "rmsprop_maximize": lambda m: torch.optim.RMSprop(_groups(m, 0.0), lr=1e-3, momentum=0.5, maximize=True, foreach=False),
+    "rmsprop_maximize": lambda m: torch.optim.RMSprop(
+        _groups(m, 0.0), lr=1e-3, momentum=0.5, maximize=True, foreach=False
+    ),
     "adagrad": lambda m: torch.optim.Adagrad(_groups(m, 1e-2, lr_decay=0.0), lr=5e-2, lr_decay=0.01, foreach=False),
     "adamax": lambda m: torch.optim.Adamax(_groups(m, 1e-2, betas=(0.8, 0.99)), lr=1e-2, foreach=False),
     "nadam": lambda m: torch.optim.NAdam(_groups(m, 1e-2, momentum_decay=2e-3), lr=1e-2, foreach=False),
-    "nadam_decoupled": lambda m: torch.optim.NAdam(_groups(m, 0.1), lr=1e-2, decoupled_weight_decay=True, foreach=False),
+    "nadam_decoupled": lambda m: torch.optim.NAdam(
+        _groups(m, 0.1), lr=1e-2, decoupled_weight_decay=True, foreach=False
+    ),
     "radam": lambda m: torch.optim.RAdam(_groups(m, 1e-2), lr=1e-2, foreach=False),
-    "radam_decoupled": lambda m: torch.optim.RAdam(_groups(m, 0.1), lr=1e-2, decoupled_weight_decay=True, foreach=False),
+    "radam_decoupled": lambda m: torch.optim.RAdam(
+        _groups(m, 0.1), lr=1e-2, decoupled_weight_decay=True, foreach=False
+    ),
     "adadelta": lambda m: torch.optim.Adadelta(_groups(m, 1e-2, rho=0.8), lr=0.5, foreach=False),
     "adamw": lambda m: torch.optim.AdamW(_groups(m, 0.1, betas=(0.8, 0.9)), lr=1e-2, foreach=False),
     "adam_amsgrad": lambda m: torch.optim.Adam(_groups(m, 1e-2), lr=1e-2, amsgrad=True, foreach=False),
     "sgd_nesterov": lambda m: torch.optim.SGD(_groups(m, 1e-3), lr=5e-2, momentum=0.9, nesterov=True, foreach=False),
-    "rprop": lambda m: torch.optim.Rprop(_groups(m, 0.0, etas=(0.3, 1.5), step_sizes=(1e-4, 2e-3)), lr=1e-2, foreach=False),
+    "rprop": lambda m: torch.optim.Rprop(
+        _groups(m, 0.0, etas=(0.3, 1.5), step_sizes=(1e-4, 2e-3)), lr=1e-2, foreach=False
+    ),
     "rprop_maximize": lambda m: torch.optim.Rprop(_groups(m, 0.0), lr=1e-3, maximize=True, foreach=False),
     # t0=2 starts the averaging at step 4 in the first group; the second never averages.
     "asgd": lambda m: torch.optim.ASGD(_groups(m, 1e-2, t0=1e6), lr=5e-2, lambd=1e-2, t0=2.0, foreach=False),
@@ -119,20 +127,23 @@ def test_asgd_with_an_lr_changed_every_step_is_bitwise_and_resumes_bitwise(mode,
 def test_every_elementwise_optimizer_of_torch_is_covered():
     """A torch.optim class that is neither compiled nor refused by name would be a gap."""
     from graphfuse.optim import CLASSES, NOT_ELEMENTWISE
+    from tests.optim.test_muon import MATRIX_OPTIMIZERS
 
-    tested = {type(make(MLP())).__name__ for make in OPTIMIZERS.values()}
+    tested = {type(make(MLP())).__name__ for make in OPTIMIZERS.values()} | set(MATRIX_OPTIMIZERS)
     assert tested == set(CLASSES)
     classes = {
         name
         for name in dir(torch.optim)
-        if isinstance(getattr(torch.optim, name), type) and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
+        if isinstance(getattr(torch.optim, name), type)
+        and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
     }
     unknown = classes - set(CLASSES) - set(NOT_ELEMENTWISE) - {"Optimizer"}
     assert not unknown, f"torch.optim classes graphfuse neither compiles nor refuses with a reason: {unknown}"
 
 
 class Muon(torch.optim.Optimizer):
-    """A matrix optimizer of the kind users bring (a user class named like torch's)."""
+    """A matrix optimizer of the kind users bring (a user class named like torch's, whose update
+    graphfuse cannot know: refused, while torch.optim.Muon is compiled)."""
 
     def __init__(self, params, lr: float = 1e-3) -> None:
         super().__init__(params, {"lr": lr})
@@ -153,7 +164,7 @@ def _refused(name: str):
     [
         ("LBFGS", "closure"),
         ("SparseAdam", "sparse"),
-        ("Muon", "orthogonalises each weight matrix"),
+        ("Muon", "exact classes, not subclasses"),
         ("Adafactor", "row and column sums"),
     ],
 )
@@ -250,7 +261,11 @@ def _asgd_data_parallel(rank: int, root: str) -> bool:
             equal &= torch.equal(loss, dm(batch))
             sched.step()
     ref = dict(m_ref.named_parameters())
-    return equal and len(runs) == 3 and all(torch.equal(p, ref[n]) for m, _, _ in runs.values() for n, p in m.named_parameters())
+    return (
+        equal
+        and len(runs) == 3
+        and all(torch.equal(p, ref[n]) for m, _, _ in runs.values() for n, p in m.named_parameters())
+    )
 
 
 def _two_ranks(rank: int, world: int, names: tuple[str, ...], root: str) -> dict:
@@ -273,7 +288,9 @@ def test_every_optimizer_update_can_be_saved_in_a_program_file(tmp_path):
     for name, make in OPTIMIZERS.items():
         model = MLP()
         program = gf.capture(model, make(model), mlp_loss, mlp_batches(1)[0])
-        missing = {str(n.target) for n in program.graph.nodes if n.op == "call_function" and target_name(n.target) is None}
+        missing = {
+            str(n.target) for n in program.graph.nodes if n.op == "call_function" and target_name(n.target) is None
+        }
         assert not missing, f"{name}: ops outside the allowlist: {missing}"
         gf.save_program(program, tmp_path / name)
         assert gf.load_program(tmp_path / name).optim == program.optim, name
@@ -314,7 +331,13 @@ def test_asgd_program_saved_with_its_lr_baked_in_loads_and_follows_the_lr(tmp_pa
 
 @pytest.mark.parametrize(
     ("name", "mode"),
-    [("nadam", "balanced"), ("adagrad", "unbalanced"), ("radam", "balanced"), ("rprop", "unbalanced"), ("asgd", "balanced")],
+    [
+        ("nadam", "balanced"),
+        ("adagrad", "unbalanced"),
+        ("radam", "balanced"),
+        ("rprop", "unbalanced"),
+        ("asgd", "balanced"),
+    ],
 )
 def test_training_resumed_from_a_checkpoint_continues_bitwise(name, mode, tmp_path):
     """The host-computed per-step values (NAdam's mu_product, Adagrad's decayed lr, RAdam's

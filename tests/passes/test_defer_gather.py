@@ -61,7 +61,9 @@ def train_case(rank: int, world: int, kind: str, dtype=torch.float32, **strategy
             "losses": losses,
             "params": params_of(model),
             "state": {k: v.clone() for k, v in dm.named_slices()},
-            "ref_equal": all(map(torch.equal, losses, ref_losses)) and ref.param_diff(model)[1] and ref.state_diff(dm)[1],
+            "ref_equal": all(map(torch.equal, losses, ref_losses))
+            and ref.param_diff(model)[1]
+            and ref.state_diff(dm)[1],
             "bucket_ref_equal": all(map(torch.equal, losses, bucket_losses)) and bucket_ref.param_diff(model)[1],
             "ag_outputs": [s.role for s in dm.program.signature.outputs if s.role.startswith("new_bucket")],
         }

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphfuse.passes.graph import c10d, is_collective, position
 
 import graphfuse as gf
 from graphfuse import passes
+from graphfuse.passes.graph import c10d, is_collective, position
 from graphfuse.strategy import INFLIGHT_BY_BACKEND
 from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 from tests._common import run_ranks
@@ -74,10 +74,19 @@ def test_bound_is_chosen_per_backend():
 
 def _gloo_default_is_bounded(rank: int, world: int) -> tuple:
     losses = {}
-    for name, strategy in {"auto": gf.Strategy(bucket_size_mb=0.01), "free": gf.Strategy(bucket_size_mb=0.01, max_inflight_collectives=None)}.items():
+    for name, strategy in {
+        "auto": gf.Strategy(bucket_size_mb=0.01),
+        "free": gf.Strategy(bucket_size_mb=0.01, max_inflight_collectives=None),
+    }.items():
         torch.manual_seed(0)
         model = GPT(CFG)
-        dm = gf.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), gpt_loss, synthetic_tokens(CFG, 4, 1, rank)[0], strategy=strategy)
+        dm = gf.compile(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            gpt_loss,
+            synthetic_tokens(CFG, 4, 1, rank)[0],
+            strategy=strategy,
+        )
         losses[name] = [dm(b).item() for b in synthetic_tokens(CFG, 4, 3, rank)]
         if name == "auto":
             bound = dm.strategy.max_inflight_collectives, dm.program.strategy.max_inflight_collectives

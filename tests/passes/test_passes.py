@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from graphfuse.passes import count_targets
-from graphfuse.passes.graph import c10d, position
-from graphfuse.passes.verify import fake_values, verify
 from torch.testing import FileCheck
 
 import graphfuse as gf
 from graphfuse import passes
 from graphfuse.ir import signature as sig
+from graphfuse.passes import count_targets
+from graphfuse.passes.graph import c10d, position
+from graphfuse.passes.verify import fake_values, verify
 from graphfuse.testing.models import GPT, GPTConfig, gpt_loss, synthetic_tokens
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
@@ -78,7 +78,9 @@ def test_no_per_parameter_inputs_or_outputs_remain():
     assert {s.role for s in program.signature.outputs} == {sig.LOSS, sig.NEW_BUCKET, sig.NEW_SHARD}
     buckets = program.layout.buckets
     assert program.signature.names(sig.BUCKET) == [b.name for b in buckets]
-    assert sorted(program.signature.names(sig.SHARD)) == sorted(f"{b.name}.{s}" for b in buckets for s in ("exp_avg", "exp_avg_sq"))
+    assert sorted(program.signature.names(sig.SHARD)) == sorted(
+        f"{b.name}.{s}" for b in buckets for s in ("exp_avg", "exp_avg_sq")
+    )
     for b in buckets:  # each state shard is 1/world of its bucket
         assert program.inputs_meta[f"{b.name}.exp_avg"].shape == (b.size // 2,)
 
@@ -93,7 +95,9 @@ def test_overlap_waits_right_before_first_use():
         first = min(w.users, key=order.__getitem__)
         between = nodes[order[w] + 1 : order[first]]
         # Waits sharing a first user (the all-gathers' waits all feed the output) queue up before it.
-        assert all(n.target is c10d.wait_tensor.default for n in between), f"{w.name} is not right before its first user {first.name}"
+        assert all(n.target is c10d.wait_tensor.default for n in between), (
+            f"{w.name} is not right before its first user {first.name}"
+        )
     # Overlap means something: some collective has compute between its issue and its wait.
     gaps = [order[w] - order[w.args[0]] for w in waits]
     assert max(gaps) > 1

@@ -18,10 +18,20 @@ def _train(rank: int, world: int, stage: bool) -> dict:
     strategy = gf.Strategy(bucket_size_mb=0.01, max_grad_norm=1.0, stage_collectives_on_host=stage)
     batches = synthetic_tokens(CFG, 2, 3, seed=10 + rank)
     dm = gf.compile(model, opt, gpt_loss, batches[0], strategy=strategy)
-    staged = sum(1 for n in dm.program.graph.nodes if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("device") == torch.device("cpu"))
+    staged = sum(
+        1
+        for n in dm.program.graph.nodes
+        if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("device") == torch.device("cpu")
+    )
     losses = [dm(b).item() for b in batches]
-    return {"losses": losses, "params": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}, "staged": staged,
-            "collectives": sum(1 for n in dm.program.graph.nodes if n.target is torch.ops._c10d_functional.wait_tensor.default)}
+    return {
+        "losses": losses,
+        "params": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()},
+        "staged": staged,
+        "collectives": sum(
+            1 for n in dm.program.graph.nodes if n.target is torch.ops._c10d_functional.wait_tensor.default
+        ),
+    }
 
 
 def test_staged_collectives_train_bitwise_like_direct_ones_at_2_ranks():

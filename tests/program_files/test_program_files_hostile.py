@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from graphfuse.passes import serializer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphfuse as gf
+from graphfuse.passes import serializer
 from graphfuse.program_files import limits, ops
 from tests._common import ROOT
 from tests.program_files import test_program_io
@@ -33,9 +33,8 @@ saved = test_program_io.saved  # the fixture: an MLP program with a constant, so
 def saved_2_ranks(tmp_path_factory) -> Path:
     """Rank 0 of a 2-rank GPT program (buckets, shards, collectives, a state plan), built
     without a process group as the pass tests do, and verified as the runtime does."""
-    from graphfuse.passes.verify import verify
-
     from graphfuse import passes
+    from graphfuse.passes.verify import verify
     from tests.program_files.test_program_io import make
 
     model, opt, loss_fn, batches = make("gpt", 0)
@@ -143,7 +142,9 @@ def test_40_deep_batch_spec_is_refused_by_the_nesting_limit(saved, tmp_path):
     refused(path, r"program\.json: signature\.batch_spec nests deeper than 32 levels")
 
 
-@pytest.mark.parametrize("kind", ["builtins.NotAType", "collections.defaultdict", "torch.fx.immutable_collections.immutable_list"])
+@pytest.mark.parametrize(
+    "kind", ["builtins.NotAType", "collections.defaultdict", "torch.fx.immutable_collections.immutable_list"]
+)
 def test_unknown_pytree_type_is_refused(saved, tmp_path, kind):
     path = copy_of(saved, tmp_path)
     edit_program(path, lambda d: d["signature"].__setitem__("batch_spec", _nested_spec(1, kind)))
@@ -159,12 +160,24 @@ def test_deeply_nested_graph_value_is_refused(saved, tmp_path):
     refused(path, r"graph\.json: node .*values nest deeper than 32 levels")
 
 
+@pytest.mark.parametrize("name", ["", "a b", "x" * 65, 3])
+def test_a_node_meta_pass_that_is_not_a_pass_name_is_refused(saved, tmp_path, name):
+    path = copy_of(saved, tmp_path)
+    edit_graph(path, lambda nodes: first(nodes, "call_function")["meta"].__setitem__("pass", name))
+    refused(path, r"graph\.json: node .*meta pass must be a pass's name \(an identifier\)")
+
+
 @pytest.mark.parametrize(
-    ("size", "cause"), [(2**62, r"every size must be an int in \[0, 2\^48\]"), (2**30, r"more than the limit 2\^48")], ids=["size", "product"]
+    ("size", "cause"),
+    [(2**62, r"every size must be an int in \[0, 2\^48\]"), (2**30, r"more than the limit 2\^48")],
+    ids=["size", "product"],
 )
 def test_absurd_shape_in_graph_meta_is_refused(saved, tmp_path, size, cause):
     path = copy_of(saved, tmp_path)
-    edit_graph(path, lambda nodes: first(nodes, "placeholder")["meta"]["val"]["tensor"].update(shape=[size, size], stride=[size, 1]))
+    edit_graph(
+        path,
+        lambda nodes: first(nodes, "placeholder")["meta"]["val"]["tensor"].update(shape=[size, size], stride=[size, 1]),
+    )
     refused(path, r"graph\.json: node 0 .*" + cause)
 
 
@@ -186,7 +199,10 @@ def _grow_bucket(doc: dict, elements: int) -> None:
 def test_bucket_larger_than_the_graph_is_refused(saved_2_ranks, tmp_path):
     path = copy_of(saved_2_ranks, tmp_path)
     edit_program(path, lambda d: _grow_bucket(d, 2**36))
-    refused(path, r"program\.json: input bucket0\S* is \(\(\d+,\), 'float32'\), but the bucket layout gives it shape \(\d{11},\)")
+    refused(
+        path,
+        r"program\.json: input bucket0\S* is \(\(\d+,\), 'float32'\), but the bucket layout gives it shape \(\d{11},\)",
+    )
 
 
 def test_bucket_and_its_inputs_grown_together_are_refused_by_the_graph(saved_2_ranks, tmp_path):
@@ -204,8 +220,12 @@ def test_bucket_and_its_inputs_grown_together_are_refused_by_the_graph(saved_2_r
 
     edit_program(path, edit)
     # Placeholders that a pass added carry no recorded shape, so the fake run is what refuses it.
-    refused(path, r"(program\.json: the placeholders do not match the signature's inputs: input bucket0: the graph records \(\d+,\)"
-                  r"|graph\.json: the graph does not run on fake tensors)")
+    refused(
+        path,
+        r"(program\.json: the placeholders do not match the signature's inputs: input bucket0: the graph "
+        r"records \(\d+,\)"
+        r"|graph\.json: the graph does not run on fake tensors)",
+    )
 
 
 def test_layout_whose_params_overlap_is_refused(saved_2_ranks, tmp_path):
@@ -241,7 +261,9 @@ def test_v1_state_plan_with_swapped_entries_is_ignored(tmp_path):
 # ---- the op allowlist ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("target", ["aten.from_file.default", "aten.copy_.default", "aten.empty.memory_format", "prims.view_of.default"])
+@pytest.mark.parametrize(
+    "target", ["aten.from_file.default", "aten.copy_.default", "aten.empty.memory_format", "prims.view_of.default"]
+)
 def test_operator_outside_the_allowlist_is_refused_by_name(saved, tmp_path, target):
     path = copy_of(saved, tmp_path)
     edit_graph(path, lambda nodes: first(nodes, "call_function").update(target=target))
@@ -272,11 +294,16 @@ def test_the_docs_list_exactly_the_allowlist():
 @given(
     name=st.sampled_from(["manifest.json", "program.json", "graph.json", "constants.safetensors"]),
     # Bytes JSON is made of, so that much damage still parses, and any byte at all.
-    edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(b'019-e."[]{},:n') | st.integers(0, 255)),
-                   min_size=1, max_size=6),
+    edits=st.lists(
+        st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(b'019-e."[]{},:n') | st.integers(0, 255)),
+        min_size=1,
+        max_size=6,
+    ),
     rehashed=st.booleans(),
 )
-def test_random_byte_damage_to_any_file_gives_only_program_format_errors(saved, tmp_path_factory, name, edits, rehashed):
+def test_random_byte_damage_to_any_file_gives_only_program_format_errors(
+    saved, tmp_path_factory, name, edits, rehashed
+):
     path = copy_of(saved, tmp_path_factory.mktemp("damaged"))
     data = bytearray((path / name).read_bytes())
     for where, byte in edits:
@@ -291,7 +318,11 @@ def test_random_byte_damage_to_any_file_gives_only_program_format_errors(saved, 
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**64), 2**64)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
     max_leaves=8,
 )
@@ -306,7 +337,10 @@ def _places(doc):
 
 
 @settings(max_examples=80, deadline=None)
-@given(name=st.sampled_from(["program.json", "graph.json"]), picks=st.lists(st.tuples(st.integers(0, 10**9), JSON), min_size=1, max_size=3))
+@given(
+    name=st.sampled_from(["program.json", "graph.json"]),
+    picks=st.lists(st.tuples(st.integers(0, 10**9), JSON), min_size=1, max_size=3),
+)
 def test_any_json_value_replaced_gives_only_program_format_errors(saved, tmp_path_factory, name, picks):
     """A structural edit (any value of the document replaced by any JSON value, the manifest
     rehashed) loads or is refused by name: never another exception."""

@@ -82,9 +82,17 @@ def assert_same_program(loaded: gf.Program, original: gf.Program) -> None:
             assert plain(x.meta.get(key)) == plain(y.meta.get(key)), (x.name, key)
     assert loaded.signature == original.signature  # the passes' scratch is not saved
     assert getattr(loaded.layout, "fingerprint", None) == getattr(original.layout, "fingerprint", None)
-    assert (loaded.optim, loaded.strategy, loaded.inputs_meta) == (original.optim, original.strategy, original.inputs_meta)
+    assert (loaded.optim, loaded.strategy, loaded.inputs_meta) == (
+        original.optim,
+        original.strategy,
+        original.inputs_meta,
+    )
     assert (loaded.passes, loaded.world_size, loaded.rank, loaded.group_name) == (
-        original.passes, original.world_size, original.rank, original.group_name)
+        original.passes,
+        original.world_size,
+        original.rank,
+        original.group_name,
+    )
     assert getattr(loaded, "state_plan", None) == getattr(original, "state_plan", None)
 
 
@@ -111,12 +119,18 @@ def _round_trip(rank: int, world_size: int, tmp: str) -> dict:
             assert torch.equal(dm(batch), restarted(batch))
         for (name, p), q in zip(dm.model.named_parameters(), model.parameters()):
             assert torch.equal(p, q), name
-        collectives[kind] = sum(1 for n in loaded.graph.nodes if getattr(n.target, "namespace", "") == "_c10d_functional")
+        collectives[kind] = sum(
+            1 for n in loaded.graph.nodes if getattr(n.target, "namespace", "") == "_c10d_functional"
+        )
     return collectives
 
 
 def _round_trip_and_fixture(rank: int, world_size: int, tmp: str) -> tuple[dict, list[float], list[float]]:
-    return _round_trip(rank, world_size, tmp), _run_fixture(rank, world_size), _run_fixture(rank, world_size, FIXTURE_V2)
+    return (
+        _round_trip(rank, world_size, tmp),
+        _run_fixture(rank, world_size),
+        _run_fixture(rank, world_size, FIXTURE_V2),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +156,10 @@ def test_captured_program_before_any_pass_round_trips(tmp_path):
     gf.save_program(program, tmp_path / "captured")
     loaded = gf.load_program(tmp_path / "captured")
     assert_same_program(loaded, program)
-    inputs = [torch.randn(m.shape, dtype=getattr(torch, m.dtype)) for m in (program.inputs_meta[s.name] for s in program.signature.inputs)]
+    inputs = [
+        torch.randn(m.shape, dtype=getattr(torch, m.dtype))
+        for m in (program.inputs_meta[s.name] for s in program.signature.inputs)
+    ]
     for a, b in zip(loaded.graph_module(*inputs), program.graph_module(*inputs)):
         assert torch.equal(a, b)
 
@@ -281,7 +298,15 @@ def first(nodes: list[dict], op: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "target", ["aten.not_an_op.default", "os.system", "builtins.eval", "torch.save", "aten.add.__class__", "torch.ops.aten.add.Tensor"]
+    "target",
+    [
+        "aten.not_an_op.default",
+        "os.system",
+        "builtins.eval",
+        "torch.save",
+        "aten.add.__class__",
+        "torch.ops.aten.add.Tensor",
+    ],
 )
 def test_unknown_operator_is_refused(saved, tmp_path, target):
     path = copy_of(saved, tmp_path)
@@ -346,7 +371,9 @@ def test_malformed_values_raise_only_program_format_errors(saved, tmp_path):
     cases = []
     for op in ("placeholder", "call_function"):
         i = next(k for k, n in enumerate(nodes) if n["op"] == op)
-        cases += [("graph.json", lambda d, i=i, f=f, j=j: d["nodes"][i].__setitem__(f, j)) for f in nodes[i] for j in junk]
+        cases += [
+            ("graph.json", lambda d, i=i, f=f, j=j: d["nodes"][i].__setitem__(f, j)) for f in nodes[i] for j in junk
+        ]
     keys = json.loads((saved / "program.json").read_text())
     cases += [("program.json", lambda d, k=k, j=j: d.__setitem__(k, j)) for k in keys for j in junk]
     refused = 0
@@ -385,7 +412,9 @@ def _run_fixture(rank: int, world_size: int, fixture: Path = FIXTURE) -> list[fl
     program = gf.load_program(fixture / f"rank{rank}")
     dm = gf.DistModel.from_program(program, model, opt)
     steps = json.loads((fixture / "expected.json").read_text())["steps"]
-    losses = [dm((data[f"batch.{i}.x"], data[f"batch.{i}.y"])).item() for i in range(rank, steps * world_size, world_size)]
+    losses = [
+        dm((data[f"batch.{i}.x"], data[f"batch.{i}.y"])).item() for i in range(rank, steps * world_size, world_size)
+    ]
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, data[f"final.{name}"])
     return losses
@@ -419,7 +448,14 @@ def test_v1_fixture_converts_to_v2_on_read(tmp_path):
 def test_cli_program_info(capsys):
     assert cli_main(["program", "info", str(FIXTURE / "rank0"), "--code"]) == 0
     out = capsys.readouterr().out
-    for text in ("rank 0 of 2", "plan_buckets", "bucket0", "_c10d_functional.reduce_scatter_tensor", "new_bucket", "def forward"):
+    for text in (
+        "rank 0 of 2",
+        "plan_buckets",
+        "bucket0",
+        "_c10d_functional.reduce_scatter_tensor",
+        "new_bucket",
+        "def forward",
+    ):
         assert text in out, text
 
 

@@ -58,7 +58,13 @@ def test_inductor_program_on_cuda_writes_buckets_in_place():
     batches = _batches()
     ref, _, ref_losses = _eager(batches)
     model = _gpt()
-    dm = gf.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), gpt_loss, batches[0], strategy=gf.Strategy(compile="inductor"))
+    dm = gf.compile(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
+        gpt_loss,
+        batches[0],
+        strategy=gf.Strategy(compile="inductor"),
+    )
     ptrs = {n: t.data_ptr() for n, t in dm.tensors.items()}
     losses = [dm(b) for b in batches]
     assert {n: t.data_ptr() for n, t in dm.tensors.items()} == ptrs
@@ -75,7 +81,9 @@ def test_nccl_group_of_one_and_bf16_master_weights(tmp_path):
         batches = _batches()
         model = _gpt().to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        dm = gf.compile(model, opt, gpt_loss, batches[0], strategy=gf.Strategy(master_dtype=torch.float32, compile="inductor"))
+        dm = gf.compile(
+            model, opt, gpt_loss, batches[0], strategy=gf.Strategy(master_dtype=torch.float32, compile="inductor")
+        )
         assert dm.world_size == 1 and dm.group_name
         masters = [n for n in dm.tensors if n.endswith(".master")]
         assert masters and all(dm.tensors[n].dtype == torch.float32 for n in masters)
@@ -91,7 +99,9 @@ def test_shard_optimizer_on_cuda_with_inductor():
     batches = _batches()
     ref, _, _ = _eager(batches)
     model = _gpt()
-    sharded = gf.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), gf.Strategy(compile="inductor"))
+    sharded = gf.shard_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), gf.Strategy(compile="inductor")
+    )
     for b in batches:
         sharded.zero_grad()
         gpt_loss(model, b).backward()

@@ -32,7 +32,9 @@ def _compiled():
 
 
 def _append_param_group(model, opt):
-    opt.param_groups.append({**opt.param_groups[0], "params": list(model[3].parameters())})  # add_param_group raises at once
+    opt.param_groups.append(
+        {**opt.param_groups[0], "params": list(model[3].parameters())}
+    )  # add_param_group raises at once
 
 
 def _freeze(model, opt):
@@ -45,7 +47,9 @@ def _remove_from_group(model, opt):
 
 
 def _replace_state(model, opt):
-    opt.state = collections.defaultdict(dict)  # optimizer.load_state_dict loads into the shards (tests/frontends/test_habits.py)
+    opt.state = collections.defaultdict(
+        dict
+    )  # optimizer.load_state_dict loads into the shards (tests/frontends/test_habits.py)
 
 
 def _pop_group(model, opt):
@@ -116,8 +120,12 @@ def _sized(n: int):
 def test_program_cache_keeps_at_most_program_cache_size_programs_and_warns_when_it_churns(caplog):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 4))
-    dm = gf.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _sized(2), strategy=gf.Strategy(program_cache_size=2))
-    with pytest.warns(UserWarning, match=r"program cache \(Strategy.program_cache_size=2\) dropped a traced program \(1 so far\)"):
+    dm = gf.compile(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _sized(2), strategy=gf.Strategy(program_cache_size=2)
+    )
+    with pytest.warns(
+        UserWarning, match=r"program cache \(Strategy.program_cache_size=2\) dropped a traced program \(1 so far\)"
+    ):
         for n in (2, 3, 4):
             dm(_sized(n))
     assert len(dm._programs) == 2 and dm._programs.evictions == 1
@@ -152,13 +160,17 @@ def test_a_batch_of_another_structure_that_breaks_loss_fn_says_it_was_being_reca
     model, opt, dm = _compiled()
     with pytest.raises(IndexError) as info:
         dm((_batch()[0],))
-    assert any("re-capturing the step for a batch that differs" in n and "structure changed" in n for n in info.value.__notes__)
+    assert any(
+        "re-capturing the step for a batch that differs" in n and "structure changed" in n for n in info.value.__notes__
+    )
 
 
 def test_train_eval_switch_after_compile_warns_that_python_state_is_frozen():
     model, opt, dm = _compiled()
     model.eval()
-    with pytest.warns(UserWarning, match=r"module model was switched to eval mode after gf.compile.*frozen at trace time"):
+    with pytest.warns(
+        UserWarning, match=r"module model was switched to eval mode after gf.compile.*frozen at trace time"
+    ):
         dm(_batch())
     assert dm.steps == [2, 2]  # a warning, not a refusal: the step ran as traced
 

@@ -39,16 +39,26 @@ def test_inductor_executor_writes_in_place_and_matches_eager(tmp_path):
     # inductor does not round like eager kernels (lerp, sqrt): close, not bitwise
     for a, b in zip(eager_model.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert model[0].weight.data_ptr() == dm.tensors[dm.layout.bucket_of("0.weight").name].data_ptr() + dm.layout.bucket_of(
-        "0.weight"
-    ).slot("0.weight").offset * 4
+    assert (
+        model[0].weight.data_ptr()
+        == dm.tensors[dm.layout.bucket_of("0.weight").name].data_ptr()
+        + dm.layout.bucket_of("0.weight").slot("0.weight").offset * 4
+    )
 
     # A loaded program has no example batch: inductor compiles it at its first step.
     gf.save_program(dm.program, tmp_path / "program")
     fresh = _mlp()
-    loaded = gf.DistModel.from_program(gf.load_program(tmp_path / "program"), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    loaded = gf.DistModel.from_program(
+        gf.load_program(tmp_path / "program"), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    )
     other = _mlp()
-    again = gf.compile(other, torch.optim.AdamW(other.parameters(), lr=1e-2), _loss, batches[0], strategy=gf.Strategy(compile="inductor"))
+    again = gf.compile(
+        other,
+        torch.optim.AdamW(other.parameters(), lr=1e-2),
+        _loss,
+        batches[0],
+        strategy=gf.Strategy(compile="inductor"),
+    )
     for b in batches:
         torch.testing.assert_close(loaded(b), again(b), rtol=0, atol=0)
 
@@ -112,7 +122,9 @@ class _Checkpointed(torch.nn.Module):
         self.embed, self.inner, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
 
     def forward(self, x):
-        h = torch.utils.checkpoint.checkpoint(lambda y: torch.relu(self.inner(y)), self.embed(x), use_reentrant=self.use_reentrant)
+        h = torch.utils.checkpoint.checkpoint(
+            lambda y: torch.relu(self.inner(y)), self.embed(x), use_reentrant=self.use_reentrant
+        )
         return self.out(h)
 
 
@@ -123,6 +135,8 @@ def test_reentrant_activation_checkpointing_is_refused_by_name_with_the_way_out(
 
 
 def test_non_reentrant_activation_checkpointing_is_bitwise_with_eager():
-    (e_losses, e_params), (losses, params) = _eager_and_graphfuse(lambda: _Checkpointed(use_reentrant=False), _batches(3))
+    (e_losses, e_params), (losses, params) = _eager_and_graphfuse(
+        lambda: _Checkpointed(use_reentrant=False), _batches(3)
+    )
     assert all(torch.equal(a, b) for a, b in zip(e_losses, losses))
     assert all(torch.equal(a, b) for a, b in zip(e_params, params))

@@ -35,9 +35,16 @@ def test_compile_logs_each_startup_phase_at_info(caplog):
         dm(BATCH)
         dm(BATCH)
     messages = [r.getMessage() for r in caplog.records if r.name == "graphfuse"]
-    assert any(m.startswith("graphfuse.compile: capture ") and all(f"{p} " in m for p in ("passes", "verify", "bind")) for m in messages), messages
-    assert sum(m.startswith("graphfuse: first step: first step ") for m in messages) == 1, messages  # eager: no inductor phase
-    assert set(dm.startup) == {"capture", "passes", "verify", "bind", "first step"} and all(t > 0 for t in dm.startup.values())
+    assert any(
+        m.startswith("graphfuse.compile: capture ") and all(f"{p} " in m for p in ("passes", "verify", "bind"))
+        for m in messages
+    ), messages
+    assert sum(m.startswith("graphfuse: first step: first step ") for m in messages) == 1, (
+        messages
+    )  # eager: no inductor phase
+    assert set(dm.startup) == {"capture", "passes", "verify", "bind", "first step"} and all(
+        t > 0 for t in dm.startup.values()
+    )
 
 
 def test_program_file_restart_gives_inductor_the_same_graph_and_hits_its_caches(tmp_path, monkeypatch):
@@ -64,7 +71,9 @@ def test_program_file_restart_gives_inductor_the_same_graph_and_hits_its_caches(
         again = restarted(BATCH)
         assert counters["inductor"]["fxgraph_cache_hit"] == 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
         # and AOTAutograd's cache (it missed while a traced graph's module named its tracer class)
-        assert counters["aot_autograd"]["autograd_cache_hit"] == 1 and counters["aot_autograd"]["autograd_cache_miss"] == 0
+        assert (
+            counters["aot_autograd"]["autograd_cache_hit"] == 1 and counters["aot_autograd"]["autograd_cache_miss"] == 0
+        )
         assert "inductor" in restarted.startup
     assert len(seen) == 2 and seen[0] == seen[1]  # byte-identical graph code: the cache key matches
     assert torch.equal(first, again)

@@ -136,13 +136,22 @@ class Reference:
         self.masters = None
         if master_dtype is not None:
             self.masters = [p.detach().to(master_dtype).requires_grad_() for p in self.model.parameters()]
-        self.optimizer = make_optimizer(optim_kind, self.masters if self.masters is not None else self.model.parameters())
+        self.optimizer = make_optimizer(
+            optim_kind, self.masters if self.masters is not None else self.model.parameters()
+        )
         self.layout = layout
         self.clipped_steps = 0
 
     def step(self, loss_fn, batch, strategy: gf.Strategy) -> torch.Tensor:
         loss, clipped = eager_step(
-            self.model, self.masters, self.optimizer, loss_fn, batch, strategy.grad_accumulation, strategy.max_grad_norm, self.layout
+            self.model,
+            self.masters,
+            self.optimizer,
+            loss_fn,
+            batch,
+            strategy.grad_accumulation,
+            strategy.max_grad_norm,
+            self.layout,
         )
         self.clipped_steps += clipped
         return loss
@@ -200,7 +209,11 @@ def run_scenario(rank: int, world: int, model_kind: str, optim_kind: str, dtype=
     # Optimizer-state memory this rank holds (its SHARD tensors) against the unsharded total.
     shards = {s.name for s in dm.program.signature.inputs if s.role == "shard"}
     out["shard_bytes"] = sum(t.numel() * t.element_size() for n, t in dm.tensors.items() if n in shards)
-    per_elem = sum(torch.empty((), dtype=getattr(torch, dm.program.inputs_meta[n].dtype)).element_size() for n in shards if n.startswith("bucket0."))
+    per_elem = sum(
+        torch.empty((), dtype=getattr(torch, dm.program.inputs_meta[n].dtype)).element_size()
+        for n in shards
+        if n.startswith("bucket0.")
+    )
     out["unsharded_bytes"] = sum(p.numel() for p in model.parameters()) * per_elem
     out["padding_bytes"] = sum(b.size - sum(s.numel for s in b.slots) for b in dm.layout.buckets) * per_elem
     out["buckets"] = len(dm.layout.buckets)

@@ -1,0 +1,117 @@
+"""Property tests of whole-parameter ownership (graphfuse.ir.ownership, plan_buckets(whole=...)):
+every parameter updated whole lies inside one rank's shard, owners balance the update's cost,
+the padding stays within its bound, and parameters updated elementwise are laid out as before."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphfuse.ir.layout import ParamInfo, itemsize, plan_buckets
+from graphfuse.ir.ownership import assign, newton_schulz_cost, padding_bound, place
+
+DTYPES = ["float32", "bfloat16", "float64"]
+matrices = st.tuples(st.integers(1, 40), st.integers(1, 40))
+params_st = st.lists(
+    st.tuples(
+        st.one_of(matrices, st.tuples(st.integers(1, 30))), st.sampled_from(DTYPES), st.integers(0, 1), st.booleans()
+    ),
+    min_size=1,
+    max_size=14,
+).map(lambda rows: [(ParamInfo(f"layer{i}.w", s, d, "cpu", g), whole) for i, (s, d, g, whole) in enumerate(rows)])
+worlds = st.integers(1, 6)
+aligns = st.sampled_from([1, 4, 16, 64])
+caps = st.integers(1, 16384)
+
+
+def _plan(rows, world, align, cap):
+    params = [p for p, _ in rows]
+    whole = {p.fqn: newton_schulz_cost(p.shape) for p, w in rows if w}
+    return params, whole, plan_buckets(params, world, align, cap, whole=whole)
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_a_parameter_updated_whole_lies_in_one_shard_and_every_element_has_one_owner(rows, world, align, cap):
+    params, whole, layout = _plan(rows, world, align, cap)
+    seen = {p.fqn: [0] * p.numel for p in params}
+    for bucket in layout.buckets:
+        assert bucket.size % (world * max(1, align // itemsize(bucket.dtype))) == 0
+        assert len({f in whole for f in bucket.fqns}) == 1  # whole and elementwise never share a bucket
+        for rank in range(world):
+            end = 0
+            for s in bucket.slices(rank):
+                assert end <= s.shard_start < s.shard_end <= bucket.shard_size
+                end = s.shard_end
+                seen[s.fqn][s.param_start : s.param_start + s.numel] = [
+                    x + 1 for x in seen[s.fqn][s.param_start : s.param_start + s.numel]
+                ]
+                if s.fqn in whole:  # the whole parameter, in the shard of its owner
+                    assert (s.param_start, s.numel) == (0, bucket.slot(s.fqn).numel)
+                    assert bucket.owner(s.fqn) == rank
+    assert seen == {p.fqn: [1] * p.numel for p in params}
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_padding_of_a_bucket_laid_out_whole_is_within_its_bound(rows, world, align, cap):
+    params, whole, layout = _plan(rows, world, align, cap)
+    for bucket in layout.buckets:
+        if bucket.fqns[0] not in whole:
+            continue
+        a = max(1, align // itemsize(bucket.dtype))
+        sizes = [-(-s.numel // a) * a for s in bucket.slots]
+        assert bucket.size - sum(sizes) <= padding_bound(sizes, world, a)
+        # slots tile the bucket in offset order: each one's padding reaches the next
+        assert [s.offset for s in bucket.slots] == sorted(s.offset for s in bucket.slots)
+        assert sum(s.padded for s in bucket.slots) == bucket.size and bucket.slots[0].offset == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_elementwise_parameters_are_laid_out_as_without_ownership(rows, world, align, cap):
+    """...as the same parameters planned without those updated whole (which get buckets of their own)."""
+    params = [p for p, _ in rows]
+    alone = [p for p, w in rows if not w]
+    plain = plan_buckets(alone, world, align, cap) if alone else None
+    mixed = plan_buckets(params, world, align, cap, whole={p.fqn: 1 for p, w in rows if w})
+    elementwise = {p.fqn for p, w in rows if not w}
+    expected = [b.slots for b in plain.buckets] if plain else []
+    assert [b.slots for b in mixed.buckets if b.fqns[0] in elementwise] == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(0, 10**6)), min_size=1, max_size=20), st.integers(1, 8))
+def test_owners_fill_ranks_in_order_within_the_length_cap(members, world):
+    sizes, costs = [s for s, _ in members], [c for _, c in members]
+    owners = assign(sizes, costs, world)
+    used = sorted(set(owners))
+    assert used == list(range(len(used)))  # the ranks owning nothing are the last ones
+    cap = -(-sum(sizes) // world) + max(sizes)
+    assert all(sum(s for s, o in zip(sizes, owners) if o == r) <= cap for r in range(world))
+    at = place(sizes, costs, world, 1)
+    assert at.size - sum(sizes) <= padding_bound(sizes, world, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 8), st.integers(1, 50))
+def test_equal_matrices_are_spread_evenly(n, world, side):
+    owners = assign([side * side] * n, [side**3] * n, world)
+    counts = [owners.count(r) for r in range(world)]
+    assert max(counts) - min(counts) <= 1
+
+
+def test_owners_balance_newton_schulz_cost_not_elements():
+    # A 64x64 matrix costs 64x as much as a 1x4096 one of the same length: with two ranks, the
+    # square one alone on rank 0, the three long ones on rank 1 (cost 3·4096 < 64³; their
+    # length 12288 is just within the cap ceil(4·4096 / 2) + 4096).
+    shapes = [(64, 64), (1, 4096), (1, 4096), (1, 4096)]
+    assert assign([4096] * 4, [newton_schulz_cost(s) for s in shapes], 2) == [0, 1, 1, 1]
+
+
+def test_costs_equalise_where_they_can_and_the_length_cap_binds():
+    assert assign([16, 16, 16, 16], [8, 4, 2, 2], 2) == [0, 1, 1, 1]  # costs 8 | 4 + 2 + 2
+    # cap ceil(51 / 2) + 10 = 36: rank 1 (cheaper) takes three of the long ones, then is full
+    assert assign([1, 10, 10, 10, 10, 10], [100, 1, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 0, 0]
+    at = place([1, 10, 10, 10, 10, 10], [100, 1, 1, 1, 1, 1], 2, 1)
+    assert at.size == 2 * 30 and at.offsets == (0, 30, 40, 50, 1, 11)
