@@ -1,7 +1,7 @@
-"""The table of the torch.optim updates graphfuse compiles (elementwise, and Muon's whole-matrix one), one rule per
-optimizer:
-the hyper-parameters it bakes in, its states, the per-step scalars the host computes, and its
-update (graphfuse/optim/updates.py); and the torch.optim class each rule stands for."""
+"""The table of the torch.optim updates graphfuse compiles (elementwise, and Muon's whole-matrix
+one), one rule per optimizer: the hyper-parameters it bakes in, its states, the per-step scalars
+the host computes, and its update (graphfuse/optim/updates.py); and the torch.optim class each
+rule stands for."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ ranks die with the launcher (Linux), however it is killed."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import os
@@ -19,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
@@ -132,6 +134,7 @@ def _worker(
     args: tuple,
     queue,
     parent: int,
+    forked: bool,
 ) -> None:
     _die_with_parent(parent)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -147,6 +150,14 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if forked:
+        # A forked rank ends with os._exit, which skips the interpreter's exit: run its atexit
+        # handlers here (graphfuse's group clean-up among them), after the result is sent, so
+        # that a rank whose exit would fail fails here too (_check_clean_exits). C++ teardown,
+        # where Gloo aborts, runs only in a spawned rank or under torchrun (tests/checkpoint/test_clean_exit.py).
+        queue.close()
+        queue.join_thread()
+        atexit._run_exitfuncs()
 
 
 _forkserver_env: list[dict[str, str]] = []  # the environment the forkserver started with (once per process)
@@ -160,16 +171,21 @@ def _context():
     """Linux: "forkserver", whose server imports torch once, so a rank starts in a fraction of a
     second instead of importing torch again (most of a multi-rank test's time on 2 cores). Its
     ranks inherit the server's environment, not the caller's: when that changed since the server
-    started (a test that sets a variable a rank reads), this run spawns fresh interpreters instead.
+    started (a test that sets a variable a rank reads), the server is restarted with the caller's.
     Elsewhere "spawn"."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    server = getattr(forkserver, "_forkserver", None)
+    if _forkserver_env and _environment() != _forkserver_env[0]:
+        if server is None or not hasattr(server, "_stop"):  # no way to restart it: spawn afresh
+            return mp.get_context("spawn")
+        server._stop()  # the next start runs a new server in this environment
+        _forkserver_env.clear()
+    ctx = mp.get_context("forkserver")
     if not _forkserver_env:
-        ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed"])
         _forkserver_env.append(_environment())
-        return ctx
-    return mp.get_context("forkserver" if _environment() == _forkserver_env[0] else "spawn")
+    return ctx
 
 
 def root_cause(failures: list[Outcome]) -> tuple[Outcome, list[Outcome]]:
@@ -185,11 +201,15 @@ def run_ranks(
     ranks of a `backend` process group; return each rank's result (picklable), or raise
     `RankFailure` naming the rank whose failure came first, with its traceback."""
     ctx = _context()
+    forked = ctx.get_start_method() == "forkserver"
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="graphfuse-rdzv-")
     store_path = os.path.join(store_dir, "store")  # a fresh file per run: nothing stale to meet
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, store_path, backend, threads, fn, args, queue, os.getpid()))
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, store_path, backend, threads, fn, args, queue, os.getpid(), forked),
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -1,8 +1,8 @@
 """Checkpoints of a step with two optimizers (torch.optim.Muon for the matrices, whose owners
 change with the world size, and AdamW for the biases): both modes saved at 2 ranks resume bitwise
-at 2, the balanced one (and the unbalanced one converted offline) loads bitwise at 3 and 1; the torch form is one
-state dict per optimizer, which
-plain torch.optim.Muon and AdamW load and step on bitwise."""
+at 2, the balanced one (and the unbalanced one converted offline) loads bitwise at 3 and 1; the
+torch form is one state dict per optimizer, which plain torch.optim.Muon and AdamW load and step
+on bitwise."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ def triton_poi_fused_cat_view_86(in_ptr0, out_ptr0, xnumel, XBLOCK):
 triton_poi_fused_cat_view_87 = async_compile.triton('triton_poi_fused_cat_view_87', """
 """, device_str='cuda')
 
-triton_per_fused_native_layer_norm_backward_view_78 =
-async_compile.triton('triton_per_fused_native_layer_norm_backward_view_78', """
+triton_per_fused_native_layer_norm_backward_view_78 = async_compile.triton('triton_per_fused_native_layer_norm_backward_view_78', """
 """, device_str='cuda')
 
 

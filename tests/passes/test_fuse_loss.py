@@ -181,10 +181,9 @@ def test_fused_training_matches_the_unfused_at_1_to_3_ranks(world):
 
 def test_fused_adamw_training_stays_within_rounding_of_the_unfused():
     """6 AdamW steps (lr 1e-3), one process: the first loss is exact, later ones within 1e-6 relative;
-    parameters within 2e-5 (5.5e-6 when measured; 9.3e-6 after 10 steps). Adam divides by sqrt(v): a gradient that is
-    pure
-    rounding noise (the attention's key bias, whose true gradient is 0) moves its parameter by about
-    lr either way, hence a bound far above the gradients' difference."""
+    parameters within 2e-5 (5.5e-6 when measured; 9.3e-6 after 10 steps). Adam divides by sqrt(v):
+    a gradient that is pure rounding noise (the attention's key bias, whose true gradient is 0)
+    moves its parameter by about lr either way, hence a bound far above the gradients' difference."""
     r = compare(0, "adamw")
     assert r["first_loss_equal"] and r["loss_rel"] < 1e-6 and r["differ"] in ([], ["wte.weight"])
     assert r["last_param_abs"] < 2e-5

@@ -49,8 +49,7 @@ class Runner:
         extern_kernels.addmm(arg0_1, out=buf0)
         # Topologically Sorted Source Nodes: [mm_1, t_3], Original ATen: [aten.mm]
         extern_kernels.mm(buf0, out=buf1)
-        # Topologically Sorted Source Nodes: [reduce_scatter_tensor_default], Original ATen:
-        [_c10d_functional.reduce_scatter_tensor]
+        # Topologically Sorted Source Nodes: [reduce_scatter_tensor_default], Original ATen: [_c10d_functional.reduce_scatter_tensor]
         buf2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(buf1, 'avg', 2, '0')
         # Topologically Sorted Source Nodes: [mm_2], Original ATen: [aten.mm]
         extern_kernels.mm(buf0, out=buf3)
