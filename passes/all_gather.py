@@ -27,9 +27,10 @@ def requires(program: Program) -> None:
 
 
 def run(program: Program) -> Program:
-    graph, layout = program.graph, program.layout
+    graph, layout, shards = program.graph, program.bucket_layout, program.handoffs.param_shards
+    assert shards is not None  # NEEDS param_shards: run_pass checked that an earlier pass set them
     pairs = outputs(program)
-    for bucket, shard in zip(layout.buckets, program.handoffs.param_shards):
+    for bucket, shard in zip(layout.buckets, shards):
         full = shard
         if layout.world_size > 1:
             with graph.inserting_before(shard.next):
@@ -47,7 +48,7 @@ def run(program: Program) -> Program:
 
 
 def ensures(program: Program) -> None:
-    layout = program.layout
+    layout = program.bucket_layout
     n = sum(1 for x in program.graph.nodes if x.target is c10d.all_gather_into_tensor.default)
     expected = len(layout.buckets) if layout.world_size > 1 else 0
     expect(

@@ -27,9 +27,10 @@ def requires(program: Program) -> None:
 
 
 def run(program: Program) -> Program:
-    graph, layout = program.graph, program.layout
+    graph, layout = program.graph, program.bucket_layout
     max_norm = program.strategy.max_grad_norm
     shards = program.handoffs.grad_shards
+    assert shards is not None  # NEEDS grad_shards: run_pass checked that an earlier pass set them
     with graph.inserting_before(graph.output_node()):
         total = call(
             graph,
@@ -72,14 +73,16 @@ def run(program: Program) -> Program:
 
 def ensures(program: Program) -> None:
     n = sum(1 for x in program.graph.nodes if x.target is c10d.all_reduce.default)
-    expected = 1 if program.layout.world_size > 1 else 0
+    expected = 1 if program.bucket_layout.world_size > 1 else 0
     expect(
         program,
         NAME,
         n == expected,
-        f"{expected} all-reduce for the global norm at world size {program.layout.world_size}, found {n}",
+        f"{expected} all-reduce for the global norm at world size {program.bucket_layout.world_size}, found {n}",
     )
-    scaled = all(s.target is torch.ops.aten.mul.Tensor for s in program.handoffs.grad_shards)
+    shards = program.handoffs.grad_shards
+    assert shards is not None  # run set them
+    scaled = all(s.target is torch.ops.aten.mul.Tensor for s in shards)
     expect(program, NAME, scaled, "every gradient shard handed on to be the scaled one")
     norms = program.signature.output_names(sig.GRAD_NORM)
     expect(program, NAME, norms == ["grad_norm"], f"one grad_norm output, found {norms}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from graphfuse.ir import signature as sig
-from graphfuse.ir.program import Program
+from graphfuse.ir.program import Program, arg_node
 
 from ._contract import expect
 from .graph import aten, c10d, call, input_nodes, outputs, placeholders, position, set_outputs
@@ -40,13 +40,13 @@ def applies(program: Program) -> bool:
     # An update-only program (gf.shard_optimizer) has no forward to defer into.
     return (
         program.strategy.overlap_param_gather is True
-        and program.layout.world_size > 1
+        and program.bucket_layout.world_size > 1
         and not program.signature.names(sig.GRAD)
     )
 
 
 def requires(program: Program) -> None:
-    names = [b.name for b in program.layout.buckets]
+    names = [b.name for b in program.bucket_layout.buckets]
     expect(
         program,
         NAME,
@@ -56,19 +56,21 @@ def requires(program: Program) -> None:
     )
     for spec, node in outputs(program):
         if spec.role == sig.NEW_BUCKET:
-            ok = node.target is c10d.wait_tensor.default and node.args[0].target is c10d.all_gather_into_tensor.default
+            ok = (
+                node.target is c10d.wait_tensor.default and arg_node(node).target is c10d.all_gather_into_tensor.default
+            )
             expect(program, NAME, ok, f"the new {spec.name} to be the wait on its all-gather")
 
 
 def run(program: Program) -> Program:
-    graph, layout = program.graph, program.layout
+    graph, layout = program.graph, program.bucket_layout
     pairs = []
     for spec, node in outputs(program):
         if spec.role != sig.NEW_BUCKET:
             pairs.append((spec, node))
             continue
-        gather = node.args[0]
-        pairs.append((sig.OutputSpec(sig.NEW_BUCKET_SHARD, spec.name, spec.target), gather.args[0]))
+        gather = arg_node(node)  # requires checked: the wait on the all-gather of the shard
+        pairs.append((sig.OutputSpec(sig.NEW_BUCKET_SHARD, spec.name, spec.target), arg_node(gather)))
     program = set_outputs(program, pairs)
     for node in [
         n
@@ -128,7 +130,7 @@ def _sink_views(root: torch.fx.Node) -> None:
 
 
 def ensures(program: Program) -> None:
-    layout = program.layout
+    layout = program.bucket_layout
     names = [b.name for b in layout.buckets]
     expect(
         program,

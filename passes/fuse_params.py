@@ -21,7 +21,7 @@ def requires(program: Program) -> None:
     expect(program, NAME, program.layout is not None, "a bucket layout", "run plan_buckets first")
     expect(program, NAME, not program.signature.names(sig.BUCKET), "parameters not fused yet")
     new_params = set(program.signature.output_names(sig.NEW_PARAM))
-    missing = [f for f in program.layout.fqns if f not in new_params]
+    missing = [f for f in program.bucket_layout.fqns if f not in new_params]
     expect(program, NAME, not missing, f"a new-value output for every bucketed parameter (none for {missing})")
 
 
@@ -31,7 +31,7 @@ def run(program: Program) -> Program:
     new_param = {s.target: n for s, n in pairs if s.role == sig.NEW_PARAM}
     pairs = [(s, n) for s, n in pairs if s.role != sig.NEW_PARAM]
     params = input_nodes(program)
-    for bucket in program.layout.buckets:
+    for bucket in program.bucket_layout.buckets:
         node = add_input(
             program, sig.InputSpec(sig.BUCKET, bucket.name), TensorMeta((bucket.size,), bucket.dtype, bucket.device)
         )
@@ -60,7 +60,7 @@ def run(program: Program) -> Program:
 def ensures(program: Program) -> None:
     expect(program, NAME, not program.signature.names(sig.PARAM), "no per-parameter input left")
     expect(program, NAME, not program.signature.output_names(sig.NEW_PARAM), "no per-parameter output left")
-    names = [b.name for b in program.layout.buckets]
+    names = [b.name for b in program.bucket_layout.buckets]
     expect(program, NAME, program.signature.names(sig.BUCKET) == names, f"one bucket input per bucket, {names}")
     expect(
         program,

@@ -57,7 +57,7 @@ def run(program: Program) -> Program:
 
 
 def ensures(program: Program) -> None:
-    fqns = program.layout.fqns
+    fqns = program.bucket_layout.fqns
     expect(
         program,
         NAME,
@@ -66,7 +66,7 @@ def ensures(program: Program) -> None:
     )
     split = [
         f
-        for b in program.layout.buckets
+        for b in program.bucket_layout.buckets
         if reads_whole(program.optim.groups[b.group])
         for f in b.fqns
         if len([s for r in range(b.world_size) for s in b.slices(r) if s.fqn == f]) > 1

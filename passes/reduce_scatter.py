@@ -20,12 +20,12 @@ applies = always  # every program
 
 def requires(program: Program) -> None:
     expect(program, NAME, bool(program.signature.names(sig.BUCKET)), "bucket inputs", "run fuse_params first")
-    missing = [f for f in program.layout.fqns if f not in program.signature.grads]
+    missing = [f for f in program.bucket_layout.fqns if f not in program.signature.grads]
     expect(program, NAME, not missing, f"a gradient node for every bucketed parameter (none for {missing})")
 
 
 def run(program: Program) -> Program:
-    graph, layout = program.graph, program.layout
+    graph, layout = program.graph, program.bucket_layout
     world = layout.world_size
     master = program.strategy.master_dtype
     grad_of = grad_nodes(program)
@@ -66,7 +66,7 @@ def run(program: Program) -> Program:
 
 
 def ensures(program: Program) -> None:
-    layout = program.layout
+    layout = program.bucket_layout
     scatters = [x for x in program.graph.nodes if x.target is c10d.reduce_scatter_tensor.default]
     expected = len(layout.buckets) if layout.world_size > 1 else 0
     found = (
@@ -75,7 +75,9 @@ def ensures(program: Program) -> None:
     )
     expect(program, NAME, len(scatters) == expected, found)
     if layout.world_size > 1:
-        waited = [s.args[0] for s in program.handoffs.grad_shards if s.target is c10d.wait_tensor.default]
+        shards = program.handoffs.grad_shards
+        assert shards is not None  # run set them
+        waited = [s.args[0] for s in shards if s.target is c10d.wait_tensor.default]
         expect(
             program,
             NAME,

@@ -52,6 +52,7 @@ def run(program: Program) -> Program:
 
 def ensures(program: Program) -> None:
     plan = program.state_plan
+    assert plan is not None  # run set it
     for mode in ("unbalanced", "balanced"):
         for p in plan.pieces(mode):
             expect(program, NAME, p.save or p.load, f"piece {p.key} at {p.offsets} to be saved or loaded")

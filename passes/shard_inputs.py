@@ -38,8 +38,10 @@ class ShardInputs:
 
     def run(self, program: Program) -> Program:
         program = reduce_scatter.run(program)
-        shards = list(program.handoffs.grad_shards)
-        for i, bucket in enumerate(program.layout.buckets):
+        handed = program.handoffs.grad_shards
+        assert handed is not None  # reduce_scatter.run just set them
+        shards = list(handed)
+        for i, bucket in enumerate(program.bucket_layout.buckets):
             if bucket.index not in self.buckets:
                 continue
             spec = sig.InputSpec(sig.GRAD, bucket.name + SHARD_SUFFIX)
@@ -55,7 +57,9 @@ class ShardInputs:
     def ensures(self, program: Program) -> None:
         names = {s.name for s in program.signature.inputs}
         missing = [
-            b.name for b in program.layout.buckets if b.index in self.buckets and b.name + SHARD_SUFFIX not in names
+            b.name
+            for b in program.bucket_layout.buckets
+            if b.index in self.buckets and b.name + SHARD_SUFFIX not in names
         ]
         if missing:
             raise PassContractError(f"pass {self.NAME} (shard inputs): no gradient shard input for {missing}")

@@ -106,7 +106,7 @@ def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool
 
 
 def run(program: Program) -> Program:
-    graph, layout = program.graph, program.layout
+    graph, layout = program.graph, program.bucket_layout
     rank = program.rank
     # The traced update's outputs (per-parameter states, whole new buckets) go; once the fused update reads the
     # gradient shards,
@@ -115,7 +115,9 @@ def run(program: Program) -> Program:
     out_node = graph.output_node()
     inputs = input_nodes(program)
     param_shards = []
-    for bucket, grad in zip(layout.buckets, program.handoffs.grad_shards):
+    grad_shards = program.handoffs.grad_shards
+    assert grad_shards is not None  # NEEDS grad_shards: run_pass checked that an earlier pass set them
+    for bucket, grad in zip(layout.buckets, grad_shards):
         spec = program.optim.groups[bucket.group]
         dtype = shard_dtype(program, bucket)
         meta = TensorMeta((bucket.shard_size,), dtype, bucket.device)
@@ -169,7 +171,7 @@ def ensures(program: Program) -> None:
         "no whole-bucket output left (the all-gather makes them)",
     )
     expected = sorted(
-        f"{b.name}.{s}" for b in program.layout.buckets for s in program.optim.groups[b.group].state_names
+        f"{b.name}.{s}" for b in program.bucket_layout.buckets for s in program.optim.groups[b.group].state_names
     )
     states = sorted(n for n in program.signature.names(sig.SHARD) if not n.endswith(f".{MASTER}"))
     expect(program, NAME, states == expected, f"one state shard input per bucket and state, {expected}")

@@ -5,10 +5,12 @@ tensors crashed in torch 2.11; it applies only with `Strategy.stage_collectives_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from graphfuse.ir import signature as sig
-from graphfuse.ir.program import Program
+from graphfuse.ir.program import Program, arg_node
 
 from ._contract import expect
 from .graph import aten, c10d, call, issues_collective, position
@@ -20,7 +22,7 @@ HOST = torch.device("cpu")
 
 
 def applies(program: Program) -> bool:
-    return program.strategy.stage_collectives_on_host is True and program.layout.world_size > 1
+    return program.strategy.stage_collectives_on_host is True and program.bucket_layout.world_size > 1
 
 
 def requires(program: Program) -> None:
@@ -33,23 +35,24 @@ def requires(program: Program) -> None:
 
 def run(program: Program) -> Program:
     graph = program.graph
-    device = torch.device(program.layout.buckets[0].device)
+    device = torch.device(program.bucket_layout.buckets[0].device)
     for node in _collectives(program):
         with graph.inserting_before(node):
             host = call(graph, aten._to_copy.default, node.args[0], device=HOST, phase=sig.COMM)
         node.args = (host, *node.args[1:])
         wait = _wait_of(node)
+        assert wait is not None  # requires checked that every collective has its one wait
         order = position(graph)
         first_use = min(wait.users, key=order.__getitem__)
         with graph.inserting_before(first_use):
             back = call(graph, aten._to_copy.default, wait, device=device, phase=sig.COMM)
-        wait.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
+        wait.replace_all_uses_with(back, delete_user_cb=_other_than(back))
     return program
 
 
 def ensures(program: Program) -> None:
     for node in _collectives(program):
-        src = node.args[0]
+        src = arg_node(node)  # a collective's first argument is the tensor it reads
         expect(
             program,
             NAME,
@@ -57,6 +60,7 @@ def ensures(program: Program) -> None:
             f"{node.name} reads a host copy of its input",
         )
         wait = _wait_of(node)
+        assert wait is not None  # requires checked one wait per collective, and run kept it
         expect(
             program,
             NAME,
@@ -67,6 +71,11 @@ def ensures(program: Program) -> None:
 
 def _collectives(program: Program) -> list[torch.fx.Node]:
     return [n for n in program.graph.nodes if issues_collective(n)]
+
+
+def _other_than(node: torch.fx.Node) -> Callable[[torch.fx.Node], bool]:
+    """Whether a user is another node than `node` (which then keeps reading the value it replaces)."""
+    return lambda user: user is not node
 
 
 def _wait_of(node: torch.fx.Node) -> torch.fx.Node | None:

@@ -5,6 +5,8 @@ program, its graph and its nodes' meta are left as they were."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -80,14 +82,14 @@ def verify(program: Program, propagate: bool = True) -> Program:
 def check_values(program: Program, values: dict[torch.fx.Node, object]) -> None:
     """Every output's value (from `fake_values`) has the shape and dtype its target input has."""
     for spec, node in zip(program.signature.outputs, program.output_args()):
-        val = values[node]
+        val = cast(torch.Tensor, values[node])  # a step returns tensors (the loss, new values)
         if spec.target is None:
             if val.numel() != 1:
                 raise VerifyError(f"the loss has shape {tuple(val.shape)}")
             continue
         m = program.inputs_meta[spec.target]
         if spec.role == sig.NEW_BUCKET_SHARD:  # written into this rank's range of the bucket
-            bucket = next(b for b in program.layout.buckets if b.name == spec.target)
+            bucket = next(b for b in program.bucket_layout.buckets if b.name == spec.target)
             m = m.__class__((bucket.shard_size,), m.dtype, m.device)
         if tuple(val.shape) != m.shape or str(val.dtype).removeprefix("torch.") != m.dtype:
             raise VerifyError(

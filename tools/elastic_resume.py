@@ -35,28 +35,6 @@ POINTS = ("write", "written", "publish")  # where in a save `--kill during` stri
 
 
 # ---- the job, run by torchrun (both generations) ---------------------------------------------
-class Loader:
-    """A rank's data position (batch `pos` of this rank), plus noise from the global generators:
-    a resume that restores either wrongly is not bitwise."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.pos = rank, 0
-
-    def state_dict(self) -> dict:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.pos = state["pos"]
-
-    def next(self):
-        import torch
-
-        g = torch.Generator().manual_seed(1000 * self.rank + self.pos)
-        self.pos += 1
-        x = torch.randn(4, 8, generator=g) + 0.1 * random.random() * torch.randn(4, 8)
-        return x, torch.randn(4, 4, generator=g)
-
-
 class Stream:
     """One case's random generators, swapped in around its work (the cases share one process)."""
 
@@ -90,6 +68,7 @@ class Case:
 
         import graphfuse as gf
         from graphfuse.checkpoint import Checkpointer  # gf.Checkpointer once the face exports it
+        from graphfuse.testing.models import SeededLoader
 
         self.name, self.env = f"{mode}-{'async' if async_ else 'sync'}", env
         self.stream = Stream(seed=0)
@@ -97,7 +76,7 @@ class Case:
             model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
             opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
             self.sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-            self.loader = Loader(dist.get_rank())
+            self.loader = SeededLoader(dist.get_rank(), stride=1000)
             group = dist.new_group(list(range(dist.get_world_size())))
             batch = self.loader.next()
             self.loader.pos = 0

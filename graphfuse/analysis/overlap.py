@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import cast
+
+import torch
 
 from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program
@@ -67,7 +70,7 @@ def collectives_of(program: Program | SavedProgram) -> dict[str, Collective]:
 
 def _collectives_of(program: Program) -> dict[str, Collective]:
     values = fake_values(program)
-    buckets = program.layout.buckets
+    buckets = program.bucket_layout.buckets
     seen: dict[str, int] = {}
     out = {}
     for n in program.graph.nodes:
@@ -75,14 +78,19 @@ def _collectives_of(program: Program) -> dict[str, Collective]:
             continue
         op = OPS[n.target._overloadpacket.__name__]
         src = n.args[0].args[0] if n.args[0].op == "call_function" and n.args[0].args else None
-        if op != "all_reduce" and getattr(src, "op", None) == "placeholder" and src.meta["gf_input"].role == sig.BUCKET:
+        if (
+            op != "all_reduce"
+            and src is not None
+            and getattr(src, "op", None) == "placeholder"
+            and src.meta["gf_input"].role == sig.BUCKET
+        ):
             bucket = src.meta["gf_input"].name
         elif op == "all_reduce":
             bucket = None
         else:
             bucket = buckets[seen.get(op, 0)].name
             seen[op] = seen.get(op, 0) + 1
-        val = values[n]
+        val = cast(torch.Tensor, values[n])  # what a collective returns: a tensor
         out[n.name] = Collective(
             n.name, op, bucket, val.numel() * val.element_size() * (program.world_size if op == "reduce_scatter" else 1)
         )
@@ -102,7 +110,7 @@ def per_bucket(m: Measured, ns: list[int], busbw: dict[str, float], latency_s: f
     issued = {n: t for k, n, t in events if k == "issue"}
     waited = {n: t for k, n, t in events if k == "wait"}
     out = []
-    for bucket in program.layout.buckets:
+    for bucket in program.bucket_layout.buckets:
         cs = [c for c in info.values() if c.bucket == bucket.name]
         out.append(
             {
@@ -170,6 +178,11 @@ class SavedProgram:
     layout: SimpleNamespace
     collectives: dict  # FX node name -> Collective, as collectives_of gives them
 
+    @property
+    def bucket_layout(self) -> SimpleNamespace:
+        """`layout`, read as a Program's (its buckets' names and bytes)."""
+        return self.layout
+
 
 def measured_from_report(saved: dict) -> dict[str, Measured]:
     """The measured modes of a report written with --json, for predictions under another model
@@ -222,7 +235,7 @@ def peer_collectives(
     before it starts) and again in the backward (prefetched one unit ahead), reduce-scatter each
     unit's gradients when ready; no exchange after the update."""
     info, events = collectives_of(plain.program), plain.at(n)
-    buckets = plain.program.layout.buckets  # gradient order
+    buckets = plain.program.bucket_layout.buckets  # gradient order
     ready = {info[name].bucket: t for k, name, t in events if k == "issue" and info[name].op == "reduce_scatter"}
     end_backward, total = max(ready.values()), events[-1][2]
     start_backward = next((t for k, _, t in events if k == "backward"), 0.0)

@@ -7,6 +7,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ from graphfuse.runtime.execute import rebind_group
 
 class Marks:
     """Clock marks (after a device synchronise) taken as the step runs: (kind, node name, seconds)."""
+
+    t: list[tuple[str, str, float]]
+    positions: dict[tuple[str, str], int]  # (kind, node name) -> kernels or FX ops before it
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.t, self.positions, self.length, self.on = device, [], {}, 0, True
@@ -120,8 +124,10 @@ def inductor_runner(program: Program, args: list, marks: Marks) -> tuple[Callabl
     source = instrument(codes[-1], set(collectives_of(program)), phases(program))
     ns = {"__name__": "graphfuse_overlap_report", "_gf_mark": marks}
     exec(compile(source, "<graphfuse overlap_report>", "exec"), ns)
-    marks.length = ns["_GF_KERNELS"]
-    return (lambda a: ns["call"](list(a))), source
+    # what the instrumented wrapper code defines: its kernel count and its entry point
+    marks.length = cast(int, ns["_GF_KERNELS"])
+    call = cast(Callable[[list], object], ns["call"])
+    return (lambda a: call(list(a))), source
 
 
 def timeline(
@@ -177,7 +183,9 @@ def fake_group(world: int) -> str:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    return dist.group.WORLD.group_name
+    world_group = dist.group.WORLD
+    assert world_group is not None  # the default group is initialised (above, or by the caller)
+    return world_group.group_name
 
 
 def on_fake_group(program: Program) -> Program:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import torch
 import torch.fx
@@ -31,6 +32,7 @@ from graphfuse.ir.program import PassRun, Program
 from graphfuse.strategy import Strategy
 
 log = logging.getLogger("graphfuse")
+OptimizerArg = torch.optim.Optimizer | gopt.Optimizers | Sequence[torch.optim.Optimizer]  # a list: several as one
 
 
 # ---- capture ------------------------------------------------------------------------------
@@ -51,7 +53,7 @@ def presenting_as_compiling(on: bool = True) -> Iterator[None]:
 class _ModelInfo:
     """Parameters (deduplicated, with tied aliases), buffers, and the optimizer's view of them."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerArg) -> None:
         self.params: dict[str, torch.nn.Parameter] = {}
         self.aliases: dict[str, str] = {}
         first: dict[int, str] = {}
@@ -106,7 +108,7 @@ class _Batch:
 
 def capture(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: OptimizerArg,
     loss_fn: Callable,
     example_batch,
     strategy: Strategy | None = None,
@@ -143,7 +145,9 @@ def capture(
 
 def _step_inputs(info: _ModelInfo, batch: _Batch) -> tuple[list[sig.InputSpec], list[torch.Tensor]]:
     """The program's inputs in order, each with an example tensor of its shape and dtype."""
-    inputs = [(sig.InputSpec(sig.PARAM, f), info.params[f]) for f in info.trainable]
+    inputs: list[tuple[sig.InputSpec, torch.Tensor]] = [
+        (sig.InputSpec(sig.PARAM, f), info.params[f]) for f in info.trainable
+    ]
     inputs += [(sig.InputSpec(sig.FROZEN, f), info.params[f]) for f in info.frozen]
     inputs += [(sig.InputSpec(sig.BUFFER, f), b) for f, b in info.buffers.items()]
     for fqn in info.trainable:  # a state is shaped like its parameter (tracing is fake)
@@ -266,7 +270,7 @@ def _add_updates(
             args = [by_name[fqn], grad_of[fqn], *(by_name[f"{fqn}.{s}"] for s in gspec.state_names), *scalars]
             val_map = dict(zip([n for n in template.nodes if n.op == "placeholder"], args))
             with graph.inserting_before(graph.output_node()):
-                new = graph.graph_copy(template, val_map)
+                new = cast(Sequence[torch.fx.Node], graph.graph_copy(template, val_map))  # [param, *states]
             param_val = by_name[fqn].meta["val"]
             with param_val.fake_mode:
                 for t_node in template.nodes:

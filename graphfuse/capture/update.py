@@ -21,7 +21,7 @@ from graphfuse.strategy import Strategy
 
 
 def capture_update(
-    params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, strategy: Strategy
+    params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer | gopt.Optimizers, strategy: Strategy
 ) -> Program:
     """Trace the optimizer update alone: inputs are parameters, their gradients, states and
     host scalars; outputs the new parameters and states (the fusion passes then shard it)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from graphfuse.checkpoint import carried, directory, record, state
 from graphfuse.checkpoint.agree import exchange
@@ -41,7 +42,7 @@ class _Checked:
 
     where: Path
     record: Record | None
-    md: object
+    md: Metadata
     targets: dict
     derived: list[tuple[Piece, Piece]]
     small: dict  # step states, and a plain checkpoint's param groups
@@ -66,12 +67,14 @@ def load(dm: TrainingState, path: str | os.PathLike, timeout: float | None = Non
     except FAILURES as e:
         error = e
     ex("gf.load (validate)", error)
+    assert checked is not None  # ex raised unless every rank validated
     error, staged = None, None
     try:
         staged = _read(dm, p, checked)
     except FAILURES as e:
         error = e
     ex("gf.load (read)", error)
+    assert staged is not None  # ex raised unless every rank read
     pairs, steps, groups, carry = staged
     with torch.no_grad():
         for live, new in pairs:

@@ -147,6 +147,7 @@ def save(
         error = e
     try:
         save_id = ex("gf.save (prepare)", error, save_id)[0]
+        assert sd is not None and rec is not None  # ex raised unless the prepare succeeded on every rank
         if async_:
             group = _side_group(dm)
             handle = SaveHandle(lambda: _publish_unlock(dm, ex, group, sd, rec, tmp, final, blob, save_id))

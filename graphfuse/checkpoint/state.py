@@ -306,7 +306,7 @@ def carried_of(
     refused lr changes, so at a constant lr) derives them from the restored lr, as that run did."""
     out: list[dict] = []
     for g, (spec, fqns) in enumerate(zip(dm.program.optim.groups, p.groups)):
-        values = {}
+        values: dict[str, float] = {}
         if steps[g] == 0 or not spec.carried_names:  # nothing carried before the first step
             out.append(values)
             continue

@@ -6,6 +6,8 @@ in-memory load. Used by both owners of training state: a DistModel and a Sharded
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from graphfuse.checkpoint.memory import load_state_dict
@@ -14,7 +16,7 @@ from graphfuse.checkpoint.training_state import TrainingState
 from graphfuse.errors import CheckpointMismatchError, UnsupportedError
 from graphfuse.ir import signature as sig
 from graphfuse.ir.state_plan import MASTER
-from graphfuse.optim import torch_host_states
+from graphfuse.optim import Optimizers, torch_host_states
 from graphfuse.ranks import Exchange, all_gather_flat, backend_of
 
 TORCH_MODE = "torch"
@@ -38,7 +40,13 @@ def _groups(owner: TrainingState, part: int | None) -> tuple[list[dict], range]:
     and their indices among the step's groups."""
     if part is None:
         return owner.optimizer.param_groups, range(len(owner.optimizer.param_groups))
-    return owner.optimizer.optimizers[part].param_groups, range(*owner.optimizer.spans[part])
+    return _several(owner).optimizers[part].param_groups, range(*_several(owner).spans[part])
+
+
+def _several(owner: TrainingState) -> Optimizers:
+    """The owner's optimizers where a `part` of them is asked for: only the members of an
+    `Optimizers` are given a part (graphfuse.frontends.habits.route_optimizers)."""
+    return cast(Optimizers, owner.optimizer)
 
 
 def param_fqns(owner: TrainingState, part: int | None = None) -> list[str]:
@@ -160,10 +168,10 @@ def _with_the_others(owner: TrainingState, part: int, state: dict, groups: list[
     current = torch_form(owner)
     merged = {f: v for f, v in (_fresh_state(owner) | current["state"]).items() if f not in mine}
     merged.update({f: v for f, v in state.items() if f in mine})
-    span = range(*owner.optimizer.spans[part])
+    span = range(*_several(owner).spans[part])
     if len(groups) != len(span):
         raise CheckpointMismatchError(
-            f"state dict of optimizer {part} ({type(owner.optimizer.optimizers[part]).__name__}) has "
+            f"state dict of optimizer {part} ({type(_several(owner).optimizers[part]).__name__}) has "
             f"{len(groups)} param groups, "
             f"the live one {len(span)}; load the state dict this optimizer saved"
         )

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from graphfuse.errors import UnsupportedError
 from graphfuse.ir.layout import BucketLayout
 from graphfuse.ir.program import Program
+from graphfuse.optim.several import Optimizers
 from graphfuse.strategy import Strategy
 
 
@@ -34,7 +35,7 @@ class TrainingState(Protocol):
     @property
     def model(self) -> torch.nn.Module: ...
     @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
+    def optimizer(self) -> torch.optim.Optimizer | Optimizers: ...  # several: graphfuse.optim.Optimizers
     @property
     def strategy(self) -> Strategy: ...
     @property

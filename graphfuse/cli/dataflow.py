@@ -11,6 +11,7 @@ import torch
 
 from graphfuse.errors import UnsupportedError
 from graphfuse.ir.program import Program
+from graphfuse.ir.signature import InputSpec, OutputSpec
 from graphfuse.passes import issues_collective
 
 FORMATS = {".graphml": "GraphML", ".dot": "DOT"}
@@ -40,6 +41,7 @@ def dataflow_graph(program: Program) -> nx.DiGraph:
     each value b reads from a. Shapes and dtypes come from node.meta["val"] where present."""
     g = nx.DiGraph(program_rank=program.rank, world_size=program.world_size)  # not "rank": a Graphviz graph attribute
     inputs = iter(program.signature.inputs)
+    spec: InputSpec | OutputSpec  # an input's, then an output's
     for n in program.graph.nodes:
         shape, dtype = _shape_dtype(n.meta.get("val"))
         attrs = {

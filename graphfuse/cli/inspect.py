@@ -32,6 +32,7 @@ def load(path: str, rank: int | None) -> tuple[Program, dict]:
     trace, program_dir = None, where
     if kind == "trace":
         trace = read_trace(where)
+        assert trace is not None  # kind_of found its trace file
         rank = 0 if rank is None else rank
         program_dir = where / f"rank{rank}"
         if str(rank) not in trace["ranks"] or not program_dir.is_dir():

@@ -24,11 +24,14 @@ docs/benchmarks.md measures what that costs a step.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.fx
 
+from graphfuse.ir.program import arg_node
 from graphfuse.passes.graph import issues_collective, placeholders
 
 WINDOW = 0.02  # of one piece's work: how far from an even share a cut may move to cross fewer values
@@ -46,7 +49,7 @@ def is_view(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
-        return is_view(node.args[0])
+        return is_view(arg_node(node))
     if node.target is torch.ops.aten._unsafe_view.default:  # a view in eager, whatever its schema says
         return True
     schema = getattr(node.target, "_schema", None)
@@ -71,7 +74,7 @@ def input_root(node: torch.fx.Node) -> torch.fx.Node | None:
     while node.op != "placeholder":
         if not is_view(node):
             return None
-        node = node.args[0]
+        node = arg_node(node)  # a view's base
     return node
 
 
@@ -100,7 +103,8 @@ def order(graph: torch.fx.Graph, free: set[torch.fx.Node]) -> list[torch.fx.Node
     for i, c in enumerate(nodes):
         if c in copies:
             # A hand walk over the views' users: it stops at the first non-view, which nx.descendants cannot.
-            reads, seen, stack = [], set(), [input_root(c.args[0])]
+            # copies holds only copies into (a view of) an input: the root is a placeholder
+            reads, seen, stack = [], set(), [cast(torch.fx.Node, input_root(arg_node(c)))]
             while stack:
                 for u in stack.pop().users:
                     if u in free and u not in seen:
@@ -162,7 +166,7 @@ def split(gm: torch.fx.GraphModule, k: int) -> list[Piece]:
     body = partial_cats(graph, body, piece_of)
     for x in body:  # the results of an op with several are taken where it runs: no piece returns a tuple
         if x.target is operator.getitem:
-            piece_of[x] = piece_of[x.args[0]]
+            piece_of[x] = piece_of[arg_node(x)]
     builders = [_Builder(gm, [x for x in body if piece_of[x] == p], piece_of, free) for p in range(len(bounds) - 1)]
     outputs: list[list[torch.fx.Node]] = [[] for _ in builders]
     for x in body:
@@ -191,7 +195,7 @@ def partial_cats(graph: torch.fx.Graph, body: list[torch.fx.Node], piece_of: dic
     for c in body:
         if c.target is not torch.ops.aten.cat.default:
             continue
-        args, runs, start = list(c.args[0]), [], 0
+        args, runs, start = list(cast(Sequence[torch.fx.Node], c.args[0])), [], 0  # cat's tensors
         for i in range(1, len(args) + 1):
             if i == len(args) or piece_of.get(args[i], -1) != piece_of.get(args[start], -1):
                 if i - start >= 2 and -1 < piece_of.get(args[start], -1) < piece_of[c]:
@@ -221,7 +225,7 @@ class _Builder:
         for x in nodes:
             for a in x.all_input_nodes:
                 while a in free and a.op != "get_attr":
-                    a = a.args[0]
+                    a = arg_node(a)  # a view's base
                 if a.op == "placeholder" or (a not in free and piece_of[a] < piece_of[x]):
                     first.append(a)
         for a in dict.fromkeys(first):  # placeholders before any compute node
@@ -257,7 +261,8 @@ class PieceRunner:
         for p, piece in enumerate(pieces):
             for a in piece.inputs:
                 last[slot[a]] = p
-        self.results = [slot[x] for x in gm.graph.output_node().args[0]]
+        # the step returns a tuple of graph values (graphfuse.ir.program.output_nodes)
+        self.results = [slot[x] for x in cast(Sequence[torch.fx.Node], gm.graph.output_node().args[0])]
         keep = set(self.results) | set(range(self.n_args))  # the step's outputs, and the caller's arguments
         self.plan = [
             (

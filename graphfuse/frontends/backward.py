@@ -4,6 +4,9 @@ program then takes those shards as inputs: passes/shard_inputs.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.fx
 
@@ -61,12 +64,14 @@ def rewrite_backward(
     alone. Returns the buckets' indices in the order of the appended outputs."""
     graph = gm.graph
     out = graph.output_node()
-    grads = list(out.args[0])
+    # a backward graph returns a tuple: one gradient (or None) per forward input
+    grads = list(cast(Sequence[torch.fx.Node | None], out.args[0]))
     if len(grads) != len(fqns):  # not the one-gradient-per-input form this rewrite knows
         return []
     buckets, grad_of = _eligible(layout, fqns, grads, set(elsewhere))
     order = position(graph)
     buckets.sort(key=lambda b: max(order[grad_of[f]] for f in b.fqns))
+    pending: list[int]  # indices into shards
     world, pending, shards = layout.world_size, [], []  # pending: issued, not yet waited for
     for bucket in buckets:
         last = max((grad_of[f] for f in bucket.fqns), key=order.__getitem__)

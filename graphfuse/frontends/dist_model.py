@@ -20,7 +20,7 @@ from graphfuse.compiler.workers import Workers, how_many, warm_pool
 from graphfuse.errors import UnsupportedError
 from graphfuse.frontends.habits import check_unowned, hook_model, route_optimizer
 from graphfuse.ir.program import Program
-from graphfuse.optim import as_one
+from graphfuse.optim import Optimizers, as_one
 from graphfuse.passes import run_pipeline, verify
 from graphfuse.ranks import refuse_alone
 from graphfuse.runtime.batches import batch_change, batch_key, check_batch, flatten_batch, program_batch_key
@@ -48,6 +48,9 @@ class DistModel(BoundFront):
     (graphfuse/runtime/bound.py), read through the attributes of the same names.
     """
 
+    optimizer: torch.optim.Optimizer | Optimizers  # several optimizers as one
+    loss_fn: Callable | None  # None in a loaded program's DistModel (from_program): it cannot trace again
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -57,10 +60,10 @@ class DistModel(BoundFront):
         strategy: Strategy | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        optimizer = as_one(optimizer)  # several optimizers (Muon and AdamW) step as one
-        check_unowned(optimizer, "gf.compile")
+        one = as_one(optimizer)  # several optimizers (Muon and AdamW) step as one
+        check_unowned(one, "gf.compile")
         refuse_alone(group, "gf.compile")  # WORLD_SIZE > 1 with no process group: not alone by accident
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.model, self.optimizer, self.loss_fn = model, one, loss_fn
         self._bound = BoundProgram(group, "DistModel")
         device = next(model.parameters(), torch.empty(0)).device.type
         self.strategy = (strategy or Strategy()).for_backend(backend_of(self.group, device), device)
@@ -73,6 +76,7 @@ class DistModel(BoundFront):
         except Exception as e:  # told to the other ranks before they wait in the weights' broadcast
             error = e
         agree_to_start(self, program, error)
+        assert program is not None  # agree_to_start raised unless this rank built its program
         self._start(program, key)
         # Where start-up time goes (the first step logs inductor's compile and its own run).
         log.info("graphfuse.compile: %s", self.startup.format(("capture", "passes", "verify", "bind")))
@@ -103,7 +107,7 @@ class DistModel(BoundFront):
             )
         self._prepare()
         params = dict(model.named_parameters())
-        for bucket in program.layout.buckets:
+        for bucket in program.bucket_layout.buckets:
             for s in bucket.slots:
                 p = params.get(s.fqn)
                 if p is None or tuple(p.shape) != s.shape or str(p.dtype).removeprefix("torch.") != bucket.dtype:
@@ -154,6 +158,7 @@ class DistModel(BoundFront):
 
     # ---- building -------------------------------------------------------------------
     def _build(self, batch) -> Program:
+        assert self.loss_fn is not None  # a loaded program's DistModel never builds: _program_for refuses first
         with self.params.tracing(), self.startup.time("capture"):
             program = capture(self.model, self.optimizer, self.loss_fn, batch, self.strategy)
         program = program.with_(world_size=self.world_size, rank=self.rank, group_name=self.group_name)
@@ -195,7 +200,7 @@ class DistModel(BoundFront):
                 f"graphfuse: raised while re-capturing the step for a batch that differs from the example ({change})"
             )
             raise
-        if program.layout.fingerprint != self.layout.fingerprint:
+        if program.bucket_layout.fingerprint != self.layout.fingerprint:
             fix = (
                 "cast the batch to the example's dtypes" if "dtype" in change else "pad batches to the example's shapes"
             )
@@ -226,7 +231,8 @@ class DistModel(BoundFront):
         if first:
             log.info("graphfuse: first step: %s", self.startup.format(("inductor", "first step")))
         self.params.stale = self.params.deferred  # other ranks' ranges of the buckets are a step old
-        self.optimizer._opt_called = True  # the optimizer has stepped: LR schedulers check this
+        # the optimizer has stepped: LR schedulers check this flag, which torch.optim.Optimizer does not declare
+        self.optimizer._opt_called = True  # type: ignore[union-attr]
         self.grad_norm = outs[1] if len(outs) > 1 else None  # the clip pass returns it after the loss
         self.metrics = measure(self.steps[0], called, self._last_call, leaves, self.grad_norm)
         self._last_call = called

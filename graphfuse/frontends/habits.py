@@ -10,12 +10,27 @@ from __future__ import annotations
 
 import types
 import weakref
+from typing import Protocol, cast
 
 import torch
 
 from graphfuse.checkpoint.torch_form import load_torch_form, torch_form
+from graphfuse.checkpoint.training_state import TrainingState
 from graphfuse.errors import UnsupportedError
 from graphfuse.optim import Optimizers, ShardedState
+
+
+class Owner(TrainingState, Protocol):
+    """What owns a routed optimizer's state: a DistModel, or the ShardedOptimizer wrapping it."""
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+class _DistModel(Owner, Protocol):
+    """A DistModel as an owner (habits cannot import it): it syncs its weights and finishes loads."""
+
+    def sync(self) -> None: ...
+    def loaded(self) -> None: ...
 
 
 def check_unowned(opt: torch.optim.Optimizer | Optimizers, how: str) -> None:
@@ -43,7 +58,7 @@ def refuse_add_param_group(owner_name: str):
     return add_param_group
 
 
-def route_optimizers(opt: Optimizers, owner, how: str) -> None:
+def route_optimizers(opt: Optimizers, owner: Owner, how: str) -> None:
     """Several optimizers: each speaks for its own param groups' state (its state_dict() is what
     the same plain torch optimizer would give), and `opt` for all of them (a list of those)."""
     for part, o in enumerate(opt.optimizers):
@@ -67,7 +82,7 @@ def route_optimizers(opt: Optimizers, owner, how: str) -> None:
     opt.state = ShardedState([p for g in opt.param_groups for p in g["params"] if p.requires_grad], ref())
 
 
-def route_optimizer(opt: torch.optim.Optimizer, owner, how: str, part: int | None = None) -> None:
+def route_optimizer(opt: torch.optim.Optimizer | Optimizers, owner: Owner, how: str, part: int | None = None) -> None:
     """Make the user's optimizer `opt` speak for the state `owner` holds (a DistModel, or the
     ShardedOptimizer that wraps `opt`); `how` names what replaces `opt.step()`. `part`: `opt`
     is optimizer `part` of several (graphfuse.optim.Optimizers) and speaks for its groups only."""
@@ -76,7 +91,7 @@ def route_optimizer(opt: torch.optim.Optimizer, owner, how: str, part: int | Non
         return
     ref = weakref.ref(owner)  # weak: the optimizer must not keep its owner (and its process group) alive
 
-    def live():
+    def live() -> Owner:
         o = ref()
         if o is None:
             raise UnsupportedError(f"the object that held this optimizer's state is gone; {how} again")
@@ -89,8 +104,9 @@ def route_optimizer(opt: torch.optim.Optimizer, owner, how: str, part: int | Non
         o = live()
         if isinstance(o, torch.optim.Optimizer):  # a ShardedOptimizer: its weights are always current
             return o.state_dict() if part is None else torch_form(o, by_index=True, part=part)
-        o.sync()
-        return torch_form(o, by_index=True, part=part)
+        dm = cast(_DistModel, o)  # not a ShardedOptimizer: a DistModel
+        dm.sync()
+        return torch_form(dm, by_index=True, part=part)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch.optim's form (by index or FQN) into the state graphfuse holds, validated first."""
@@ -100,7 +116,7 @@ def route_optimizer(opt: torch.optim.Optimizer, owner, how: str, part: int | Non
         o = live()
         load_torch_form(o, state_dict, part=part)
         if not isinstance(o, torch.optim.Optimizer):
-            o.loaded()
+            cast(_DistModel, o).loaded()  # not a ShardedOptimizer: a DistModel
 
     def step(self, closure=None):
         raise UnsupportedError(
@@ -110,12 +126,16 @@ def route_optimizer(opt: torch.optim.Optimizer, owner, how: str, part: int | Non
 
     # torch's LR schedulers wrap optimizer.step to see that it ran, and warn when it was replaced
     # after them; the owner's step sets optimizer._opt_called itself, which is what they check.
-    step._wrapped_by_lr_sched = True
-    opt.state_dict = types.MethodType(state_dict, opt)
-    opt.load_state_dict = types.MethodType(load_state_dict, opt)
-    opt.step = types.MethodType(step, opt)
-    opt.add_param_group = types.MethodType(refuse_add_param_group(how), opt)
-    opt.state = ShardedState([p for g in opt.param_groups for p in g["params"] if p.requires_grad], owner)
+    # The user's optimizer is patched on purpose, per instance: its methods and `state` speak for the shards.
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # the mark torch's LR schedulers look for
+    opt.state_dict = types.MethodType(state_dict, opt)  # type: ignore[method-assign]
+    opt.load_state_dict = types.MethodType(load_state_dict, opt)  # type: ignore[method-assign]
+    opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+    opt.add_param_group = types.MethodType(refuse_add_param_group(how), opt)  # type: ignore[method-assign]
+    # stands for torch.optim's defaultdict of states, which no rank holds whole
+    opt.state = ShardedState(  # type: ignore[assignment]
+        [p for g in opt.param_groups for p in g["params"] if p.requires_grad], owner
+    )
 
 
 STEP_INSTEAD = {

@@ -19,7 +19,7 @@ from graphfuse.errors import UnsupportedError
 from graphfuse.frontends.habits import check_unowned, refuse_add_param_group, route_optimizer
 from graphfuse.ir import signature as sig
 from graphfuse.ir.program import Program
-from graphfuse.optim import ShardedState, as_one
+from graphfuse.optim import Optimizers, ShardedState, as_one
 from graphfuse.passes import PIPELINE, reduce_scatter, run_pipeline, verify
 from graphfuse.passes.shard_inputs import SHARD_SUFFIX, ShardInputs, drop_unused_gradients
 from graphfuse.ranks import refuse_alone
@@ -41,12 +41,14 @@ class _Params(torch.nn.Module):
             self.register_parameter(name, p)
 
 
-def named_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> dict[str, torch.nn.Parameter]:
+def named_params(
+    optimizer: torch.optim.Optimizer | Optimizers, model: torch.nn.Module | None
+) -> dict[str, torch.nn.Parameter]:
     """The optimizer's parameters by FQN (from `model`; param0, param1, ... without one)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if model is None:
         return {f"param{i}": p for i, p in enumerate(params)}
-    fqn = {}
+    fqn: dict[int, str] = {}
     for name, p in model.named_parameters():  # a tied parameter keeps its first name
         fqn.setdefault(id(p), name)
     missing = [i for i, p in enumerate(params) if id(p) not in fqn]
@@ -101,20 +103,23 @@ class ShardedOptimizer(BoundFront, torch.optim.Optimizer):
         model: torch.nn.Module | None = None,
         reduce_in_backward: bool = True,
     ) -> None:
-        optimizer = as_one(optimizer)  # several optimizers (Muon and AdamW) step as one
-        check_unowned(optimizer, "gf.shard_optimizer")
+        one = as_one(optimizer)  # several optimizers (Muon and AdamW) step as one
+        check_unowned(one, "gf.shard_optimizer")
         refuse_alone(group, "gf.shard_optimizer")  # WORLD_SIZE > 1 with no process group: not alone by accident
         strategy = _checked(strategy or Strategy())
-        self.params = named_params(optimizer, model)
-        super().__init__(list(self.params.values()), dict(optimizer.defaults))
-        self.optimizer = optimizer
-        self.param_groups = optimizer.param_groups  # shared: schedulers on either object act on both
-        self.state = ShardedState([p for p in self.params.values() if p.requires_grad], self)
+        self.params = named_params(one, model)
+        super().__init__(list(self.params.values()), dict(one.defaults))
+        self.optimizer = one
+        self.param_groups = one.param_groups  # shared: schedulers on either object act on both
+        # stands for torch.optim's defaultdict of states, which no rank holds whole
+        self.state = ShardedState(  # type: ignore[assignment]
+            [p for p in self.params.values() if p.requires_grad], self
+        )
         self.model = model if model is not None else _Params(self.params)
         self._bound = BoundProgram(group, "ShardedOptimizer")
         device = self.param_groups[0]["params"][0].device.type
         self.strategy = strategy = strategy.for_backend(backend_of(self.group, device), device)
-        program = capture_update(self.params, optimizer, strategy)
+        program = capture_update(self.params, one, strategy)
         # Without a backward graph, assume gradients arrive in reverse registration order.
         reversed_grads = dict(reversed(list(program.signature.grads.items())))
         program = program.with_(
@@ -135,8 +140,8 @@ class ShardedOptimizer(BoundFront, torch.optim.Optimizer):
         self.backward_graphs: list = []  # (backward GraphModule, buckets it reduces), for inspection
         self.last_reductions: dict[str, int] = {}  # bucket -> reductions in the last step
         OPTIMIZERS[:] = [r for r in OPTIMIZERS if r() is not None] + [weakref.ref(self)]
-        route_optimizer(optimizer, self, "gf.shard_optimizer")  # the wrapped optimizer's own calls reach these shards
-        self._snapshot = Snapshot(self.model, optimizer, "gf.shard_optimizer")  # a moved or copied parameter is refused
+        route_optimizer(one, self, "gf.shard_optimizer")  # the wrapped optimizer's own calls reach these shards
+        self._snapshot = Snapshot(self.model, one, "gf.shard_optimizer")  # a moved or copied parameter is refused
 
     def receive_shards(self, buckets: list[int], shards: list[torch.Tensor]) -> None:
         """Called by a compiled backward: the averaged gradient shards of `buckets`; several
@@ -202,7 +207,8 @@ class ShardedOptimizer(BoundFront, torch.optim.Optimizer):
             b.name: self._received.get(b.index, 0) + (b.index not in reduced) for b in self.layout.buckets
         }
         self._shards, self._received = {}, {}
-        self.optimizer._opt_called = True  # the wrapped optimizer has stepped: its LR schedulers check this
+        # the wrapped optimizer has stepped: its LR schedulers check this flag, which Optimizer does not declare
+        self.optimizer._opt_called = True  # type: ignore[union-attr]
         return loss
 
     def add_param_group(self, param_group: dict) -> None:

@@ -123,3 +123,9 @@ def output_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
         )
     # FX types an argument as any Argument; a traced step returns graph values
     return cast(list[torch.fx.Node], list(outputs))
+
+
+def arg_node(node: torch.fx.Node, i: int = 0) -> torch.fx.Node:
+    """`node.args[i]` where the op takes a graph value there (a tensor input of an aten op): FX
+    types every argument as any Argument, so this says which one the caller knows it to be."""
+    return cast(torch.fx.Node, node.args[i])

@@ -3,7 +3,7 @@ hidden matrices beside AdamW for the rest): gf.compile and gf.shard_optimizer ta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -15,6 +15,11 @@ class Optimizers:
     scheduler on any of them acts on the step). Group g of the step is group g - start(i) of
     optimizer i, where `spans[i]` is [start, stop). Its `state_dict()` is one torch.optim state
     dict per optimizer, as the user's own code would save them; `load_state_dict` takes that list."""
+
+    # Set on the instance by graphfuse.frontends.habits.route_optimizers, which the DistModel or
+    # ShardedOptimizer that owns the state calls as it takes them.
+    state_dict: Callable[[], list[dict]]
+    load_state_dict: Callable[[list[dict]], None]
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
@@ -29,7 +34,7 @@ class Optimizers:
             self.spans.append((at, at + len(o.param_groups)))
             at += len(o.param_groups)
         self.defaults: dict = {}
-        self.state: dict = {}  # gf.compile routes it to the shards (graphfuse.frontends.habits)
+        self.state: Mapping = {}  # gf.compile routes it to the shards (graphfuse.frontends.habits)
 
     @property
     def _opt_called(self) -> bool:
@@ -38,7 +43,8 @@ class Optimizers:
     @_opt_called.setter
     def _opt_called(self, value: bool) -> None:  # the step ran: every optimizer's LR schedulers check this
         for o in self.optimizers:
-            o._opt_called = value
+            # torch's LR schedulers set and read this flag; torch.optim.Optimizer does not declare it
+            o._opt_called = value  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         return f"Optimizers({', '.join(type(o).__name__ for o in self.optimizers)})"

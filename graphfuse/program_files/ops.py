@@ -55,14 +55,16 @@ FAMILY_TAGS = frozenset({torch.Tag.core, torch.Tag.pointwise})
 # An overload with one of these is no family member: it draws random numbers, has a shape or
 # result that depends on tensor values, or writes into its arguments.
 OUTSIDE_FAMILIES = frozenset(
-    {
-        torch.Tag.nondeterministic_seeded,
-        torch.Tag.dynamic_output_shape,
-        torch.Tag.data_dependent_output,
-        torch.Tag.inplace,
-        torch.Tag.inplace_view,
-        torch.Tag.out,
-    }
+    getattr(torch.Tag, name)
+    for name in (
+        "nondeterministic_seeded",
+        "dynamic_output_shape",
+        "data_dependent_output",
+        "inplace",  # not in torch 2.11: there `_by_family` reads the schema's mutation instead
+        "inplace_view",
+        "out",
+    )
+    if hasattr(torch.Tag, name)
 )
 # Family members kept out by name: uninitialised memory, and views at any stride and offset.
 NOT_IN_FAMILIES = ("empty", "new_empty", "_empty", "as_strided")
@@ -133,6 +135,8 @@ def _admitted_name(namespace: str, name: str) -> bool:
 def _by_family(op: torch._ops.OpOverload) -> bool:
     name = op._opname
     if op.namespace != "aten" or name.startswith(NOT_IN_FAMILIES) or OUTSIDE_FAMILIES & set(op.tags):
+        return False
+    if op._schema.is_mutable:  # writes into an argument, whatever tags this torch gives it
         return False
     if _in_family(name):
         return True

@@ -50,7 +50,7 @@ class BoundProgram:
 
     @property
     def layout(self) -> BucketLayout:
-        return self.program.layout
+        return self.program.bucket_layout  # bind takes a compiled program: plan_buckets set it
 
     def step(
         self, program: Program, fn: Callable, param_groups: list[dict], per_call: list[torch.Tensor]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from graphfuse.errors import GraphfuseError, UnsupportedError
+from graphfuse.optim import Optimizers
 from graphfuse.ranks import Exchange
 
 REBUILD = "build a new DistModel with gf.compile on the changed model and optimizer"
@@ -58,7 +59,9 @@ class Snapshot:
     """What the compiled step assumes about the model and optimizer; `check` raises
     UnsupportedError naming the first difference and the way out."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, how: str = "gf.compile") -> None:
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Optimizers, how: str = "gf.compile"
+    ) -> None:
         self.how = how  # what bound the parameters: gf.compile, or gf.shard_optimizer (whose forward is not traced)
         self.rebuild = REBUILD if how == "gf.compile" else f"build a new optimizer with {how}(..., model=model)"
         self.optimizer = optimizer

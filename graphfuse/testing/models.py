@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -89,3 +90,25 @@ def synthetic_tokens(cfg: GPTConfig, batch_size: int, steps: int, seed: int) -> 
         seq = (start + stride * positions) % cfg.vocab_size
         out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
     return out
+
+
+class SeededLoader:
+    """A rank's data position (batch `pos` of this rank) with a `state_dict`, as a resumable loader
+    has; each batch also draws noise from the global generators (Python's and torch's), so a resume
+    that restores the position or the generators wrongly is not bitwise. Batches: x [4, 8], y [4, 4];
+    batch `pos` of rank `rank` is seeded `stride * rank + pos`."""
+
+    def __init__(self, rank: int, stride: int = 100) -> None:
+        self.rank, self.stride, self.pos = rank, stride, 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.stride * self.rank + self.pos)
+        self.pos += 1
+        x = torch.randn(4, 8, generator=g) + 0.1 * random.random() * torch.randn(4, 8)
+        return x, torch.randn(4, 4, generator=g)

@@ -22,29 +22,10 @@ import graphfuse as gf
 from graphfuse.atomic_dir import MARKER
 from graphfuse.checkpoint import Checkpointer
 from graphfuse.checkpoint.manager import complete_steps
+from graphfuse.testing.models import SeededLoader
 from tests._common import ROOT, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
-
-
-class Loader:
-    """A rank's data position; each batch also draws noise from the global generators, so a
-    resume that restores the position or the generators wrongly is not bitwise."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.pos = rank, 0
-
-    def state_dict(self) -> dict:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.pos = state["pos"]
-
-    def next(self):
-        g = torch.Generator().manual_seed(100 * self.rank + self.pos)
-        self.pos += 1
-        x = torch.randn(4, 8, generator=g) + 0.1 * random.random() * torch.randn(4, 8)
-        return x, torch.randn(4, 4, generator=g)
 
 
 def build(rank: int, seed: int, mode: str = "unbalanced"):
@@ -54,7 +35,7 @@ def build(rank: int, seed: int, mode: str = "unbalanced"):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    loader = Loader(rank)
+    loader = SeededLoader(rank)
     strategy = gf.Strategy(checkpoint_mode=mode, bucket_size_mb=0.0005)
     dm = gf.compile(model, opt, lambda m, b: (m(b[0]) - b[1]).square().mean(), loader.next(), strategy=strategy)
     loader.pos = 0

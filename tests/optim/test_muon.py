@@ -14,7 +14,7 @@ import torch.nn as nn
 import graphfuse as gf
 from graphfuse import passes
 from graphfuse.capture.tracing import reads_whole
-from graphfuse.errors import GraphfuseError
+from graphfuse.errors import GraphfuseError, UnsupportedError
 from graphfuse.ir.layout import ParamInfo, plan_buckets
 from graphfuse.passes import sharded_update
 from graphfuse.passes.sharded_update import whole_update_function
@@ -224,6 +224,15 @@ def test_muon_and_adamw_on_a_transformer_are_bitwise_equal_to_torch(name):
         assert torch.equal(loss.detach(), dm(batch)), f"step {i}: loss differs"
         for (n, p), q in zip(m_ref.named_parameters(), m_gf.parameters()):
             assert torch.equal(p, q), f"step {i}: {n} differs by {(p - q).abs().max().item()}"
+    # Each of the user's optimizers speaks for its own state and refuses a step of its own.
+    for o, ref in zip(o_gf, o_ref):
+        got, want = o.state_dict(), ref.state_dict()
+        assert got["param_groups"] == want["param_groups"] and got["state"].keys() == want["state"].keys()
+        for k, states in want["state"].items():
+            for name, t in states.items():
+                assert torch.equal(got["state"][k][name], t), f"{type(o).__name__} state {k}.{name} differs"
+        with pytest.raises(UnsupportedError, match="step"):
+            o.step()
 
 
 def test_same_shape_matrices_can_run_newton_schulz_batched():
