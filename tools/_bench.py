@@ -106,3 +106,14 @@ def torch_step(
         return loss.detach()
 
     return step
+
+
+def gpt2_small_args(ap) -> None:
+    """The GPT's shape and batch as options (--layers --embd --heads --batch --block --vocab),
+    GPT-2 small with batch 8 x 1024 by default: the shape the GPU benches compare at."""
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--embd", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--block", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50304)

@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _bench import machine, print_report, sync  # tools/_bench.py: what the benches share
+from _bench import gpt2_small_args, machine, print_report, sync  # tools/_bench.py: what the benches share
 
 import graphfuse as gf
 from graphfuse.cli.facts import ownership_facts
@@ -185,12 +185,7 @@ def main() -> None:
     ap.add_argument(
         "--profile", action="store_true", help="CUDA: each method's top kernels over 3 steps, in the record"
     )
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--embd", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--block", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=50304)
+    gpt2_small_args(ap)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12, help="timed steps (median)")
     args = ap.parse_args()

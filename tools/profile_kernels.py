@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from _bench import machine, print_report, timed  # tools/_bench.py: what the benches share
+from _bench import gpt2_small_args, machine, print_report, timed  # tools/_bench.py: what the benches share
 
 import graphfuse as gf
 from graphfuse.testing.models import GPT, GPTConfig, synthetic_tokens
@@ -145,12 +145,7 @@ def main() -> None:
         help="amp: fp32 parameters, bf16 autocast; bf16master: bf16 parameters (graphfuse keeps fp32 masters); "
         "fp32: TF32 matmuls",
     )
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--embd", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--block", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=50304)
+    gpt2_small_args(ap)
     ap.add_argument("--warmup", type=int, default=8, help="steps before timing (compiling, CUDA graph capture)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps (median)")
     ap.add_argument("--profile-steps", type=int, default=4, help="steps under torch.profiler, averaged")
