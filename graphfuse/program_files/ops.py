@@ -52,19 +52,12 @@ EXPLICIT: dict[str, frozenset[str]] = {
 BUILTINS: dict[str, Any] = {"operator.getitem": operator.getitem}
 
 FAMILY_TAGS = frozenset({torch.Tag.core, torch.Tag.pointwise})
-# An overload with one of these is no family member: it draws random numbers, has a shape or
-# result that depends on tensor values, or writes into its arguments.
+# An overload with one of these tags is no family member: it draws random numbers, or has a shape
+# or result that depends on tensor values. One that writes into an argument (in place, a view in
+# place, out=) is kept out by its schema instead (`_by_family`), on every torch: 2.11 has no
+# `inplace` tag.
 OUTSIDE_FAMILIES = frozenset(
-    getattr(torch.Tag, name)
-    for name in (
-        "nondeterministic_seeded",
-        "dynamic_output_shape",
-        "data_dependent_output",
-        "inplace",  # not in torch 2.11: there `_by_family` reads the schema's mutation instead
-        "inplace_view",
-        "out",
-    )
-    if hasattr(torch.Tag, name)
+    {torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 )
 # Family members kept out by name: uninitialised memory, and views at any stride and offset.
 NOT_IN_FAMILIES = ("empty", "new_empty", "_empty", "as_strided")
