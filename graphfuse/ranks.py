@@ -1,5 +1,5 @@
 """A process group's ranks (`group_info`, `backend_of`); a run refused that would be silently wrong
-(`refuse_alone`, `refuse_ddp`); how graphfuse holds a group: weakly, so that torch's
+(`refuse_alone`, `refuse_ddp`, `refuse_ddp_model`); how graphfuse holds a group: weakly, so that torch's
 `destroy_process_group()` destroys it (`HeldGroup`), and destroys at exit one left alive
 (`destroy_left_at_exit`); and how the ranks agree outside the step (`Exchange`): every rank
 reports its status (done, or its error) through the group's store, so a failure on one rank ends
@@ -63,14 +63,26 @@ def refuse_ddp(owns: Callable[[list], bool]) -> None:
     if ddp is not None and owns(list(ddp.parameters())):
         raise UnsupportedError(
             "a model wrapped in DistributedDataParallel is compiled with backend='graphfuse' while a "
-            "gf.shard_optimizer "
-            "owns its parameters: DDP would all-reduce every gradient that graphfuse's optimizer "
-            "reduce-scatters itself "
-            "(and dynamo compiles DDP's regions apart). graphfuse's optimizer is the data parallelism: train "
-            "the model without "
-            "DDP (Hugging Face: graphfuse.integrations.transformers.GraphfuseTrainer, "
-            "graphfuse.integrations.accelerate.prepare)"
+            f"gf.shard_optimizer owns its parameters: {_DDP_TWICE}, and dynamo compiles DDP's regions apart. {_NO_DDP}"
         )
+
+
+def refuse_ddp_model(model: object, where: str) -> None:
+    """Refuse `model` wrapped in DistributedDataParallel where graphfuse averages the gradients."""
+    if isinstance(model, DistributedDataParallel):
+        raise UnsupportedError(
+            f"{where}(model=DistributedDataParallel(...)): {_DDP_TWICE} (twice the traffic, and from 3 ranks on "
+            f"the sums in another order). {_NO_DDP}: pass the module DDP wraps (ddp.module) and build the "
+            "optimizer on its parameters"
+        )
+
+
+_DDP_TWICE = "DDP would all-reduce every gradient that graphfuse's optimizer reduce-scatters itself"
+_NO_DDP = (
+    "graphfuse's optimizer is the data parallelism (what DDP with torch's ZeroRedundancyOptimizer does): train "
+    "the model without DDP (Hugging Face: graphfuse.integrations.transformers.GraphfuseTrainer, "
+    "graphfuse.integrations.accelerate.prepare)"
+)
 
 
 def backend_of(group: dist.ProcessGroup | None, device_type: str) -> str | None:

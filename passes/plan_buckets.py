@@ -3,12 +3,11 @@ the captured program and attach the `BucketLayout` (graphfuse.ir.layout does the
 
 from __future__ import annotations
 
-from graphfuse.capture.tracing import reads_whole
+from graphfuse.capture.tracing import reads_whole, whole_cost
 from graphfuse.ir import signature as sig
 from graphfuse.ir.blocks import aligned_blocks
 from graphfuse.ir.layout import ParamInfo
 from graphfuse.ir.layout import plan_buckets as plan
-from graphfuse.ir.ownership import newton_schulz_cost
 from graphfuse.ir.program import Program
 
 from ._contract import always, expect
@@ -49,7 +48,8 @@ def run(program: Program) -> Program:
     params.sort(key=lambda p: grad_pos[p.fqn])
     # A parameter whose update reads it whole (decided from the traced update) lies in one rank's
     # shard; owners balance the update's cost.
-    whole = {p.fqn: newton_schulz_cost(p.shape) for p in params if reads_whole(program.optim.groups[p.group])}
+    groups = program.optim.groups
+    whole = {p.fqn: whole_cost(groups[p.group], p.shape) for p in params if reads_whole(groups[p.group])}
     s = program.strategy
     blocks = aligned_blocks(params, s.align_buckets_to_blocks)
     layout = plan(params, program.world_size, s.align_bytes, s.bucket_bytes, blocks=blocks, whole=whole)

@@ -1,7 +1,9 @@
 """Sharded update: replace the per-parameter optimizer update with ONE fused elementwise
 update per bucket shard, over flat state shards (and fp32 master shards where the strategy
 asks). Each parameter's part of a shard is its `slice@<fqn>` view (see BucketLayout.slices).
-A group whose update reads each parameter whole (Muon) runs it once per parameter the rank owns.
+A group whose update reads each parameter whole (Muon, Adafactor) runs it once per parameter the
+rank owns; a state not shaped like its parameter (Adafactor's factors) has a shard laid out
+apart (Program.state_layout).
 Reads the `grad_shards` hand-off; hands on `param_shards` (the updated shard in the bucket's
 dtype) for the all-gather."""
 
@@ -52,10 +54,13 @@ def uses_master(program: Program, bucket) -> bool:
     return shard_dtype(program, bucket) != bucket.dtype
 
 
-def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool = False):
+def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool = False, states=None):
     """The update of rank `rank`'s shard of a bucket laid out whole (graphfuse.ir.ownership):
     `gopt.update` of each parameter the rank owns, on its whole-matrix views of the shard, with
     the padding passed through; `fn(param, grad, *states, *scalars) -> [new param, *new states]`.
+    `states` (name -> the layout of its shard, Program.state_layout; by default every state of
+    the group, shaped like the bucket) says where each member's state lies: a state not shaped
+    like its parameter (Adafactor's row and column factors) has a layout of its own.
     `batched`: same-shape parameters are updated together, stacked (Muon's Newton-Schulz as
     batched products, for CUDA; not bitwise with one at a time)."""
     slices = bucket.slices(rank)
@@ -67,42 +72,51 @@ def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool
                 f"{s.fqn} (of {slot.numel}), but its {spec.kind} update reads the parameter whole; plan the layout "
                 "with graphfuse.ir.layout.plan_buckets(whole=...)"
             )
+    layouts = dict.fromkeys(spec.state_names, bucket) if states is None else states
+    names = tuple(layouts)
     together: dict = {}
     for s in slices:
         together.setdefault(bucket.slot(s.fqn).shape if batched else s.fqn, []).append(s)
-    k = len(spec.state_names)
 
     def fn(p, g, *rest):
-        states, scalars = rest[:k], dict(zip(spec.scalar_names, rest[k:]))
-        done = {}
+        flats = dict(zip(names, rest[: len(names)]))
+        scalars = dict(zip(spec.scalar_names, rest[len(names) :]))
+        done: dict[str, dict[str, torch.Tensor]] = {}  # fqn -> {"param" or state: new flat values}
         for members in together.values():
-            shape = bucket.slot(members[0].fqn).shape
 
-            def views(t, members=members, shape=shape):
-                vs = [t[slice(*s.shard_range)].view(shape) for s in members]
+            def views(t, layout, members=members):
+                vs = []
+                for s in members:
+                    slot = layout.slot(s.fqn)
+                    lo = slot.offset - layout.shard_range(rank)[0]
+                    vs.append(t[lo : lo + slot.numel].view(slot.shape))
                 return vs[0] if len(vs) == 1 else torch.stack(vs)
 
+            mine = [n for n in names if members[0].fqn in layouts[n].fqns]
             new_p, new = gopt.update(
-                spec, views(p), views(g), {n: views(t) for n, t in zip(spec.state_names, states)}, scalars
+                spec, views(p, bucket), views(g, bucket), {n: views(flats[n], layouts[n]) for n in mine}, scalars
             )
-            outs = [new_p, *(new[n] for n in spec.state_names)]
             for i, s in enumerate(members):
-                done[s.fqn] = [(o if len(members) == 1 else o[i]).reshape(-1) for o in outs]
-        pieces: list[list[torch.Tensor]] = [[] for _ in range(1 + k)]
-        at = 0
-        for a, b, fqn in [
-            *((s.shard_start, s.shard_end, s.fqn) for s in slices),
-            (bucket.shard_size, bucket.shard_size, None),
-        ]:
-            if at < a:  # padding (or another rank's run): passed through
-                for out, t in zip(pieces, (p, *states)):
-                    out.append(t[at:a])
-            for out, t in zip(pieces, done.get(fqn, ())):
-                out.append(t)
-            at = b
-        return [torch.cat(out) for out in pieces]
+                outs = {"param": new_p, **{n: new[n] for n in mine}}
+                done[s.fqn] = {k: (o if len(members) == 1 else o[i]).reshape(-1) for k, o in outs.items()}
+        out = [_assemble(p, bucket, rank, done, "param")]
+        return out + [_assemble(flats[n], layouts[n], rank, done, n) for n in names]
 
     return fn
+
+
+def _assemble(flat: torch.Tensor, layout, rank: int, done: dict, what: str) -> torch.Tensor:
+    """Rank `rank`'s new shard of `layout`: each member's new values (`done[fqn][what]`) where
+    it lies, padding and other ranks' runs passed through from the old shard `flat`."""
+    pieces, at = [], 0
+    for a, b, fqn in [*((s.shard_start, s.shard_end, s.fqn) for s in layout.slices(rank)), (None, None, None)]:
+        a = layout.shard_size if a is None else a
+        if at < a:
+            pieces.append(flat[at:a])
+        if fqn is not None:
+            pieces.append(done[fqn][what])
+            at = b
+    return torch.cat(pieces)
 
 
 def run(program: Program) -> Program:
@@ -121,8 +135,10 @@ def run(program: Program) -> Program:
         spec = program.optim.groups[bucket.group]
         dtype = shard_dtype(program, bucket)
         meta = TensorMeta((bucket.shard_size,), dtype, bucket.device)
+        states = {s: program.state_layout(bucket, s) for s in program.bucket_states(bucket)}
+        state_metas = [TensorMeta((layout.shard_size,), dtype, bucket.device) for layout in states.values()]
         state_nodes = [
-            add_input(program, sig.InputSpec(sig.SHARD, f"{bucket.name}.{s}"), meta) for s in spec.state_names
+            add_input(program, sig.InputSpec(sig.SHARD, f"{bucket.name}.{s}"), m) for s, m in zip(states, state_metas)
         ]
         master = uses_master(program, bucket)
         if master:
@@ -136,12 +152,15 @@ def run(program: Program) -> Program:
                 master_node if master else call(graph, aten.slice.Tensor, bucket_node, 0, lo, hi, phase=sig.OPTIMIZER)
             )
             batched = bucket.device == "cuda" and spec.kind in gopt.BATCHED  # same-shape matrices together
-            fn = whole_update_function(spec, bucket, rank, batched) if reads_whole(spec) else update_function(spec)
+            if reads_whole(spec):
+                fn = whole_update_function(spec, bucket, rank, batched, states)
+            else:  # every state shaped like its parameter: one update of the flat shard
+                fn = update_function(spec, tuple(states))
             new = inline(
                 graph,
                 fn,
                 [param, grad, *state_nodes, *scalar_nodes],
-                [meta, meta, *([meta] * len(state_nodes)), *scalar_metas],
+                [meta, meta, *state_metas, *scalar_metas],
                 sig.OPTIMIZER,
             )
             new_param, new_states = new[0], new[1:]
@@ -152,7 +171,7 @@ def run(program: Program) -> Program:
                 new_param = call(
                     graph, aten._to_copy.default, new_param, dtype=getattr(torch, bucket.dtype), phase=sig.OPTIMIZER
                 )
-        for s, n in zip(spec.state_names, new_states):
+        for s, n in zip(states, new_states):
             new_outputs.append((sig.OutputSpec(sig.NEW_SHARD, f"{bucket.name}.{s}", f"{bucket.name}.{s}"), n))
         param_shards.append(new_param)
     program = set_outputs(program, new_outputs).handing_off(param_shards=tuple(param_shards))
@@ -170,9 +189,7 @@ def ensures(program: Program) -> None:
         not program.signature.output_names(sig.NEW_BUCKET),
         "no whole-bucket output left (the all-gather makes them)",
     )
-    expected = sorted(
-        f"{b.name}.{s}" for b in program.bucket_layout.buckets for s in program.optim.groups[b.group].state_names
-    )
+    expected = sorted(f"{b.name}.{s}" for b in program.bucket_layout.buckets for s in program.bucket_states(b))
     states = sorted(n for n in program.signature.names(sig.SHARD) if not n.endswith(f".{MASTER}"))
     expect(program, NAME, states == expected, f"one state shard input per bucket and state, {expected}")
     shards = sorted(program.signature.names(sig.SHARD))

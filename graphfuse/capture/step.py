@@ -150,10 +150,11 @@ def _step_inputs(info: _ModelInfo, batch: _Batch) -> tuple[list[sig.InputSpec], 
     ]
     inputs += [(sig.InputSpec(sig.FROZEN, f), info.params[f]) for f in info.frozen]
     inputs += [(sig.InputSpec(sig.BUFFER, f), b) for f, b in info.buffers.items()]
-    for fqn in info.trainable:  # a state is shaped like its parameter (tracing is fake)
+    for fqn in info.trainable:  # a state shaped like its parameter is traced with it (tracing is fake)
+        p = info.params[fqn]
         inputs += [
-            (sig.InputSpec(sig.STATE, f"{fqn}.{s}"), info.params[fqn])
-            for s in info.optim.groups[info.group_of[fqn]].state_names
+            (sig.InputSpec(sig.STATE, f"{fqn}.{s}"), p if shape == p.shape else p.new_empty(shape))
+            for s, shape in info.optim.groups[info.group_of[fqn]].state_shapes(tuple(p.shape)).items()
         ]
     for g, gspec in enumerate(info.optim.groups):
         inputs += [(sig.InputSpec(sig.SCALAR, f"group{g}.{s}"), scalar_example(s)) for s in gspec.scalar_names]
@@ -267,7 +268,8 @@ def _add_updates(
             if key not in templates:
                 templates[key] = _trace_update(gspec, p.dtype, p.device.type, tuple(p.shape) if whole else None)
             template = templates[key]
-            args = [by_name[fqn], grad_of[fqn], *(by_name[f"{fqn}.{s}"] for s in gspec.state_names), *scalars]
+            states = tuple(gspec.state_shapes(tuple(p.shape)))
+            args = [by_name[fqn], grad_of[fqn], *(by_name[f"{fqn}.{s}"] for s in states), *scalars]
             val_map = dict(zip([n for n in template.nodes if n.op == "placeholder"], args))
             with graph.inserting_before(graph.output_node()):
                 new = cast(Sequence[torch.fx.Node], graph.graph_copy(template, val_map))  # [param, *states]
@@ -283,8 +285,7 @@ def _add_updates(
                         )
             new_params.append((sig.OutputSpec(sig.NEW_PARAM, fqn, fqn), new[0]))
             new_states += [
-                (sig.OutputSpec(sig.NEW_STATE, f"{fqn}.{s}", f"{fqn}.{s}"), n)
-                for s, n in zip(gspec.state_names, new[1:])
+                (sig.OutputSpec(sig.NEW_STATE, f"{fqn}.{s}", f"{fqn}.{s}"), n) for s, n in zip(states, new[1:])
             ]
     return new_params + new_states
 
@@ -307,17 +308,16 @@ def _trace_update(
     """`update_function(spec)` of one parameter as a graph whose placeholders are (param, grad,
     *states, *scalars) and whose output is [new param, *new states]; every op in it is
     elementwise and gives a tensor of the parameter's shape and dtype, so it serves parameters
-    of any shape. An update that reads its parameter whole is traced at that parameter's shape `whole`."""
-    if whole is not None:
-        with FakeTensorMode():
-            tensors = [torch.empty(whole, dtype=dtype, device=device) for _ in range(2 + len(spec.state_names))]
-            scalars = [scalar_example(s) for s in spec.scalar_names]
-        return make_fx_exact(update_function(spec), tracing_mode="fake")(*tensors, *scalars).graph
-    shape = (2, 3)
+    of any shape. An update that reads its parameter whole is traced at that parameter's shape
+    `whole`, with the states a parameter of that shape has, each in its own shape."""
+    shape = (2, 3) if whole is None else whole
+    states = spec.state_shapes(shape)
     with FakeTensorMode():
-        tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2 + len(spec.state_names))]
+        tensors = [torch.empty(s, dtype=dtype, device=device) for s in (shape, shape, *states.values())]
         scalars = [scalar_example(s) for s in spec.scalar_names]
-    graph = make_fx_exact(update_function(spec), tracing_mode="fake")(*tensors, *scalars).graph
+    graph = make_fx_exact(update_function(spec, tuple(states)), tracing_mode="fake")(*tensors, *scalars).graph
+    if whole is not None:
+        return graph
     for n in graph.nodes:
         val = n.meta.get("val")
         # Boolean masks of the same shape (Rprop's sign tests) are elementwise too.

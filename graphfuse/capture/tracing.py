@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphfuse import optim as gopt
 from graphfuse.ir import signature as sig
+from graphfuse.ir.ownership import newton_schulz_cost
 from graphfuse.ir.program import TensorMeta
 
 log = logging.getLogger("graphfuse")
@@ -68,15 +70,18 @@ def fake_examples(mode: FakeTensorMode, specs: list[sig.InputSpec], examples: li
     return fakes
 
 
-def update_function(spec: gopt.GroupSpec) -> Callable:
+def update_function(spec: gopt.GroupSpec, states: tuple[str, ...] | None = None) -> Callable:
     """`gopt.update` of one group as `fn(param, grad, *states, *scalars) -> [new param, *new
-    states]`, in the order of spec.state_names and spec.scalar_names."""
+    states]`, in the order of `states` (by default spec.state_names; a parameter whose states
+    are not all of the group's names, as an Adafactor vector's, passes its own) and of
+    spec.scalar_names."""
+    names = spec.state_names if states is None else states
 
     def fn(p, g, *rest):
-        states = dict(zip(spec.state_names, rest[: len(spec.state_names)]))
-        scalars = dict(zip(spec.scalar_names, rest[len(spec.state_names) :]))
+        states = dict(zip(names, rest[: len(names)]))
+        scalars = dict(zip(spec.scalar_names, rest[len(names) :]))
         new_p, new_states = gopt.update(spec, p, g, states, scalars)
-        return [new_p, *(new_states[s] for s in spec.state_names)]
+        return [new_p, *(new_states[s] for s in names)]
 
     return fn
 
@@ -100,10 +105,11 @@ def reads_whole(spec: gopt.GroupSpec) -> bool:
     softmax over a row) reads other elements than its own. Such an update runs per whole
     parameter, on the rank that owns it (graphfuse.ir.ownership), never on a flat shard."""
     shape = (2, 3)
+    states = spec.state_shapes(shape)  # each state in its own shape (Adafactor's row and column factors)
     with FakeTensorMode():
-        tensors = [torch.empty(shape) for _ in range(2 + len(spec.state_names))]
+        tensors = [torch.empty(shape), torch.empty(shape), *(torch.empty(s) for s in states.values())]
         scalars = [scalar_example(s) for s in spec.scalar_names]
-    graph = make_fx_exact(update_function(spec), tracing_mode="fake")(*tensors, *scalars).graph
+    graph = make_fx_exact(update_function(spec, tuple(states)), tracing_mode="fake")(*tensors, *scalars).graph
     for n in graph.nodes:
         if n.op != "call_function":
             continue
@@ -111,6 +117,13 @@ def reads_whole(spec: gopt.GroupSpec) -> bool:
         if not per_element or tuple(n.meta["val"].shape) != shape:
             return True
     return False
+
+
+def whole_cost(spec: gopt.GroupSpec, shape: tuple[int, ...]) -> int:
+    """What the owners of parameters updated whole balance (graphfuse.ir.ownership.assign): the
+    multiply-adds of one Newton-Schulz iteration for Muon (m·n·min(m, n)), the elements for an
+    update linear in them (Adafactor's norms and its one outer product of the factors)."""
+    return newton_schulz_cost(shape) if spec.kind in gopt.BATCHED else math.prod(shape)
 
 
 def module_of_error(error: BaseException, model: torch.nn.Module) -> str:

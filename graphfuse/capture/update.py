@@ -31,10 +31,11 @@ def capture_update(
     order = [n for spec in optim.groups for n in spec.params]
     inputs: list[tuple[sig.InputSpec, torch.Tensor]] = [(sig.InputSpec(sig.PARAM, n), params[n]) for n in trainable]
     inputs += [(sig.InputSpec(sig.GRAD, f"{n}.grad"), params[n]) for n in trainable]
+    states_of = {n: optim.groups[group_of[n]].state_shapes(tuple(params[n].shape)) for n in trainable}
     inputs += [
-        (sig.InputSpec(sig.STATE, f"{n}.{s}"), params[n])
+        (sig.InputSpec(sig.STATE, f"{n}.{s}"), params[n] if shape == params[n].shape else params[n].new_empty(shape))
         for n in trainable
-        for s in optim.groups[group_of[n]].state_names
+        for s, shape in states_of[n].items()
     ]
     inputs += [
         (sig.InputSpec(sig.SCALAR, f"group{g}.{s}"), scalar_example(s))
@@ -43,15 +44,15 @@ def capture_update(
     ]
     specs, examples = [s for s, _ in inputs], [t for _, t in inputs]
     index = {s.name: i for i, s in enumerate(specs)}
-    updates = [update_function(spec) for spec in optim.groups]
 
     def update(*flat):
         new_params, new_states = [], []
         for g, spec in enumerate(optim.groups):
             scalars = [flat[index[f"group{g}.{s}"]] for s in spec.scalar_names]
             for n in spec.params:
-                states = [flat[index[f"{n}.{s}"]] for s in spec.state_names]
-                new = updates[g](flat[index[n]], flat[index[f"{n}.grad"]], *states, *scalars)
+                states = [flat[index[f"{n}.{s}"]] for s in states_of[n]]
+                fn = update_function(spec, tuple(states_of[n]))
+                new = fn(flat[index[n]], flat[index[f"{n}.grad"]], *states, *scalars)
                 new_params.append(new[0])
                 new_states.extend(new[1:])
         return new_params, new_states
@@ -60,11 +61,7 @@ def capture_update(
     gm = make_fx_exact(update, tracing_mode="fake")(*fake_examples(mode, specs, examples))
     placeholders = name_placeholders(gm.graph, specs)
     outputs = [sig.OutputSpec(sig.NEW_PARAM, n, n) for n in order]
-    outputs += [
-        sig.OutputSpec(sig.NEW_STATE, f"{n}.{s}", f"{n}.{s}")
-        for n in order
-        for s in optim.groups[group_of[n]].state_names
-    ]
+    outputs += [sig.OutputSpec(sig.NEW_STATE, f"{n}.{s}", f"{n}.{s}") for n in order for s in states_of[n]]
     out = gm.graph.output_node()
     out.args = (tuple(out.args[0][0]) + tuple(out.args[0][1]),)
     for n in gm.graph.nodes:

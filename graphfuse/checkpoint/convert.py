@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from graphfuse import atomic_dir
 from graphfuse.checkpoint import directory, record
+from graphfuse.checkpoint.plan import state_layouts
 from graphfuse.checkpoint.storage import (
     DCP_META,
     EXTRA_FILE,
@@ -35,16 +36,15 @@ from graphfuse.ir.layout import BucketLayout
 Progress = Callable[[str], None]  # told each stage's name as it starts
 
 
-def _states(layout: BucketLayout, shards: dict[str, str], source: dict, src: Path) -> tuple[dict, int]:
+def _states(layout: BucketLayout, rec: record.Record, source: dict, src: Path) -> tuple[dict, int]:
     """{fqn: {state: tensor}} assembled from every rank's slices; and how many slices."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     count = 0
     for bucket in layout.buckets:
-        states = [(n.split(".", 1)[1], d) for n, d in shards.items() if n.split(".", 1)[0] == bucket.name]
-        for state, dtype in states:
-            flats = {s.fqn: torch.zeros(s.numel, dtype=getattr(torch, dtype)) for s in bucket.slots}
+        for state, _, dtype, own in state_layouts(bucket, rec.shards, rec.shapes()):
+            flats = {s.fqn: torch.zeros(s.numel, dtype=getattr(torch, dtype)) for s in own.slots}
             for r in range(layout.world_size):
-                for s in bucket.slices(r):
+                for s in own.slices(r):
                     key = f"slice@{s.fqn}.{state}@rank{r}"
                     t = source.get(key)
                     if not isinstance(t, torch.Tensor) or t.shape != (s.numel,) or t.dtype != flats[s.fqn].dtype:
@@ -54,7 +54,7 @@ def _states(layout: BucketLayout, shards: dict[str, str], source: dict, src: Pat
                         )
                     flats[s.fqn][s.param_start : s.param_start + s.numel] = t
                     count += 1
-            for slot in bucket.slots:
+            for slot in own.slots:
                 out.setdefault(slot.fqn, {})[state] = flats[slot.fqn].view(slot.shape)
     return out, count
 
@@ -96,7 +96,7 @@ def convert(src: str, dst: str, to: str, progress: Progress = lambda stage: None
     }
     dcp_load(source, VerifiedReader(src_dir, md), LoadPlanner(), None, single=True)
     progress("assembling states")
-    states, count = _states(layout, rec.shards, source, src_dir)
+    states, count = _states(layout, rec, source, src_dir)
     out = _balanced(source, states)
     progress("writing")
     tmp, _ = directory.siblings(dst_dir)

@@ -17,6 +17,7 @@ import torch
 
 from graphfuse.errors import CheckpointError, GraphfuseError
 from graphfuse.ir.layout import BucketLayout
+from graphfuse.ir.state_layout import state_bucket
 
 FORMAT = 2  # 2: adds "optimizer", "save_id" and the record's own "crc32"; format 1 still loads
 MODES = ("unbalanced", "balanced")
@@ -42,10 +43,19 @@ class Record:
     torch: str
     optimizer: str | None = None  # the optimizer's class name (format 2)
     save_id: str | None = None  # one id per save, also in the marker of its staging directory
+    # state shard -> {FQN: shape} where its states are not shaped like their parameters (Adafactor's
+    # factors; Program.state_shapes); written only when there are some, so other files read as before
+    state_shapes: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         body = dataclasses.asdict(self)
+        if not body["state_shapes"]:
+            del body["state_shapes"]
         return json.dumps({**body, "crc32": _seal(body)}, indent=1)
+
+    def shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """`state_shapes` with tuple shapes, as graphfuse.checkpoint.plan.derive_plan takes them."""
+        return {n: {f: tuple(shape) for f, shape in m.items()} for n, m in self.state_shapes.items()}
 
     def bucket_layout(self) -> BucketLayout:
         return parse_layout(self.layout, self.world_size, self.fingerprint)
@@ -98,14 +108,15 @@ def _choice(v, what: str, choices: tuple[str, ...]) -> str:
 
 
 def _hyper(v, what: str):
-    """A hyper-parameter value: a JSON scalar or a list of numbers (betas)."""
+    """A hyper-parameter value: a JSON scalar or a list of numbers (betas; Adafactor's eps, whose
+    first may be null)."""
     if isinstance(v, float) and not math.isfinite(v):
         raise _Bad(f"{what} must be finite, got {v!r}")
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
-    if isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-        return v
-    raise _Bad(f"{what} must be a number, bool, string, null or list of numbers, got {v!r}")
+    if isinstance(v, list) and all(x is None or isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        return [_hyper(x, what) for x in v]  # finite, as a scalar must be
+    raise _Bad(f"{what} must be a number, bool, string, null or list of numbers (or nulls), got {v!r}")
 
 
 def _group(v, what: str) -> dict:
@@ -138,6 +149,7 @@ _FIELDS: dict[str, Callable[[object, str], Any]] = {  # field -> its checker, wh
     "torch": _str,
     "optimizer": _str,
     "save_id": lambda v, w: None if v is None else _str(v, w),  # None: an in-memory state dict
+    "state_shapes": lambda v, w: _map(v, w, lambda m, wm: _map(m, wm, lambda x, wx: _list(x, wx, _int))),
 }
 
 
@@ -166,7 +178,7 @@ def from_dict(d, where: str, sealed: bool = False) -> Record:
             f"{where}: its CRC-32 does not match its contents (edited or damaged); the checkpoint is damaged"
         )
     names = {fl.name for fl in dataclasses.fields(Record)}
-    required = names - ({"optimizer", "save_id"} if version == 1 else set())
+    required = names - {"state_shapes"} - ({"optimizer", "save_id"} if version == 1 else set())
     unknown, missing = sorted(set(d) - names), sorted(required - set(d))
     try:
         if unknown or missing:
@@ -191,6 +203,14 @@ def _cross_check(r: Record) -> None:
     for shard in r.shards:
         if shard.split(".", 1)[0] not in names or "." not in shard:
             raise _Bad(f"shards names {shard!r}, which is not '<bucket>.<state>' of a bucket in the layout")
+    buckets = {b.name: b for b in layout.buckets}
+    for shard, shapes in r.shapes().items():
+        if shard not in r.shards or not set(shapes) <= set(buckets[shard.split(".", 1)[0]].fqns):
+            raise _Bad(f"state_shapes names {shard!r} or parameters that are not in its bucket")
+        try:
+            state_bucket(buckets[shard.split(".", 1)[0]], shapes)
+        except GraphfuseError as e:
+            raise _Bad(f"state_shapes of {shard!r}: {e}") from None
 
 
 def parse_layout(d: dict, world_size: int, fingerprint: str) -> BucketLayout:

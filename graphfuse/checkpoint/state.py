@@ -115,6 +115,7 @@ def record_of(
         torch=str(torch.__version__),  # a plain str: torch.load(weights_only=True) refuses TorchVersion
         optimizer=dm.program.optim.cls_name,  # the class, or "Muon+AdamW" for several optimizers
         save_id=save_id,
+        state_shapes={n: {f: list(s) for f, s in m.items()} for n, m in program.state_shapes.items()},
     )
 
 

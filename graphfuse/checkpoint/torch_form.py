@@ -84,7 +84,7 @@ def torch_form(owner: TrainingState, by_index: bool = False, part: int | None = 
                 if what == MASTER or not stepped.intersection(bucket.fqns):
                     continue
                 whole = _gather(owner, owner.tensors[name])
-                for slot in bucket.slots:
+                for slot in program.state_layout(bucket, what).slots:  # each state in its own shape
                     if slot.fqn in stepped:
                         state.setdefault(slot.fqn, {})[what] = whole[slice(*slot.data_range)].view(slot.shape).clone()
     for g, group in zip(mine, groups):

@@ -8,10 +8,9 @@ from collections import Counter
 
 import torch.fx
 
-from graphfuse.capture.tracing import reads_whole
+from graphfuse.capture.tracing import reads_whole, whole_cost
 from graphfuse.ir import signature as sig
 from graphfuse.ir.layout import BucketLayout, itemsize
-from graphfuse.ir.ownership import newton_schulz_cost
 from graphfuse.ir.program import Program
 from graphfuse.passes import issues_collective
 
@@ -63,8 +62,9 @@ def bucket_facts(layout: BucketLayout) -> list[dict]:
 
 
 def ownership_facts(program: Program) -> list[dict]:
-    """Per bucket whose update reads its parameters whole (Muon's), per rank: the parameters it
-    owns, their update cost (m·n·min(m, n) per Newton-Schulz step) and its shard's padding."""
+    """Per bucket whose update reads its parameters whole (Muon's, Adafactor's), per rank: the
+    parameters it owns, their update cost (graphfuse.capture.tracing.whole_cost: m·n·min(m, n)
+    per Newton-Schulz step for Muon, elements for Adafactor) and its shard's padding."""
     out = []
     for b in program.bucket_layout.buckets:
         if not reads_whole(program.optim.groups[b.group]):
@@ -76,7 +76,7 @@ def ownership_facts(program: Program) -> list[dict]:
                     "bucket": b.name,
                     "rank": r,
                     "params": owned,
-                    "cost": sum(newton_schulz_cost(b.slot(f).shape) for f in owned),
+                    "cost": sum(whole_cost(program.optim.groups[b.group], b.slot(f).shape) for f in owned),
                     "padding": b.shard_size - sum(b.slot(f).numel for f in owned),
                 }
             )
@@ -151,8 +151,13 @@ def memory_facts(program: Program) -> list[dict]:
     unpadded = sum(s.numel * itemsize(b.dtype) for b in layout.buckets for s in b.slots)
     shards = [s for s in inputs if s.role == sig.SHARD]  # "bucket<b>.<state>", in the state's own dtype
     state = sum(_nbytes(program.inputs_meta[s.name]) for s in shards)
-    data = {b.name: sum(s.numel for s in b.slots) for b in layout.buckets}
-    unsharded_state = sum(data[s.name.split(".", 1)[0]] * itemsize(program.inputs_meta[s.name].dtype) for s in shards)
+    buckets = {b.name: b for b in layout.buckets}
+
+    def elements(shard: str) -> int:  # of every member's state, in its own shape (Adafactor's factors)
+        bucket, what = shard.split(".", 1)
+        return sum(s.numel for s in program.state_layout(buckets[bucket], what).slots)
+
+    unsharded_state = sum(elements(s.name) * itemsize(program.inputs_meta[s.name].dtype) for s in shards)
     grads_kept = sum(b.shard_size * itemsize(b.dtype) for b in layout.buckets)
     row = {
         "params": params,

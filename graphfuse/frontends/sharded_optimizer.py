@@ -22,7 +22,7 @@ from graphfuse.ir.program import Program
 from graphfuse.optim import Optimizers, ShardedState, as_one
 from graphfuse.passes import PIPELINE, reduce_scatter, run_pipeline, verify
 from graphfuse.passes.shard_inputs import SHARD_SUFFIX, ShardInputs, drop_unused_gradients
-from graphfuse.ranks import refuse_alone
+from graphfuse.ranks import refuse_alone, refuse_ddp_model
 from graphfuse.runtime.bound import BoundFront, BoundProgram
 from graphfuse.runtime.execute import arguments, backend_of
 from graphfuse.runtime.grad_shards import clip_shards, reduce_scatter_grads
@@ -106,6 +106,7 @@ class ShardedOptimizer(BoundFront, torch.optim.Optimizer):
         one = as_one(optimizer)  # several optimizers (Muon and AdamW) step as one
         check_unowned(one, "gf.shard_optimizer")
         refuse_alone(group, "gf.shard_optimizer")  # WORLD_SIZE > 1 with no process group: not alone by accident
+        refuse_ddp_model(model, "gf.shard_optimizer")  # DDP would reduce every gradient a second time
         strategy = _checked(strategy or Strategy())
         self.params = named_params(one, model)
         super().__init__(list(self.params.values()), dict(one.defaults))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch.fx
 
 from graphfuse.errors import GraphfuseError
-from graphfuse.ir.layout import BucketLayout
+from graphfuse.ir.layout import Bucket, BucketLayout
 from graphfuse.ir.signature import Signature
+from graphfuse.ir.state_layout import state_bucket
 from graphfuse.ir.state_plan import StatePlan
 from graphfuse.optim import OptimSpec
 from graphfuse.strategy import Strategy
@@ -100,6 +102,32 @@ class Program:
                 "run the graphfuse.passes pipeline (plan_buckets) on it first, as gf.compile does"
             )
         return self.layout
+
+    @functools.cached_property  # of the layout and the optimizer, which with_() replaces, never edits
+    def state_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """The state shards ("bucket<b>.<state>") whose members' states are not all shaped like
+        the members (Adafactor's factored second moment): FQN -> the state's shape, for the
+        members that have it (graphfuse.ir.state_layout.state_bucket lays such a shard out)."""
+        out = {}
+        for bucket in self.bucket_layout.buckets:
+            spec = self.optim.groups[bucket.group]
+            per = {s.fqn: spec.state_shapes(s.shape) for s in bucket.slots}
+            for name in spec.state_names:
+                shapes = {f: states[name] for f, states in per.items() if name in states}
+                if shapes and any(shapes.get(s.fqn) != s.shape for s in bucket.slots):
+                    out[f"{bucket.name}.{name}"] = shapes
+        return out
+
+    def bucket_states(self, bucket: Bucket) -> tuple[str, ...]:
+        """The states `bucket` has a shard of: its group's, less those none of its members has."""
+        spec = self.optim.groups[bucket.group]
+        have = {name for s in bucket.slots for name in spec.state_shapes(s.shape)}
+        return tuple(name for name in spec.state_names if name in have)
+
+    def state_layout(self, bucket: Bucket, state: str) -> Bucket:
+        """The layout of `bucket`'s shard of `state` (the bucket's own for a state shaped like
+        each member, and for the fp32 master weights)."""
+        return state_bucket(bucket, self.state_shapes.get(f"{bucket.name}.{state}"))
 
     def placeholders(self) -> list[torch.fx.Node]:
         return [n for n in self.graph.nodes if n.op == "placeholder"]

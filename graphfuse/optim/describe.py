@@ -4,10 +4,10 @@ themselves, one per optimizer, are in graphfuse.optim.rules).
 
 Every elementwise update reads only per-element values and per-group scalars, so the same
 function updates one parameter or a whole flat bucket shard. An update that reads a whole
-parameter (Muon's; graphfuse.capture.tracing.reads_whole tells from its trace) would see
-another tensor on a shard that ends inside one parameter; such parameters are laid out whole
-in one rank's shard (graphfuse.ir.ownership) and updated one by one. The others (LBFGS,
-SparseAdam, Adafactor) are refused.
+parameter (Muon's, Adafactor's; graphfuse.capture.tracing.reads_whole tells from its trace)
+would see another tensor on a shard that ends inside one parameter; such parameters are laid
+out whole in one rank's shard (graphfuse.ir.ownership) and updated one by one. The others
+(LBFGS, SparseAdam) are refused.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ SUPPORTED = ", ".join(f"torch.optim.{name}" for name in CLASSES)
 NOT_ELEMENTWISE = {
     "LBFGS": "its step re-evaluates a closure and searches along a direction over all parameters",
     "SparseAdam": "it updates sparse gradients",
-    "Adafactor": "it factors each matrix's second moment into row and column sums",
 }
 
 
@@ -63,6 +62,10 @@ def _hyper(kind: str, cls_name: str, group: dict, g: int) -> dict:
                     f"{cls_name} param group {g}: {key} must be {len(PAIRS[key])} floats, got {values}"
                 )
             out.update(zip(PAIRS[key], map(float, values)))
+        elif key == "eps" and kind == "adafactor":  # (eps1 or None, eps2)
+            eps1, eps2 = group[key]
+            out["eps1"] = None if eps1 is None else _float(eps1, "eps[0]", cls_name)
+            out["eps2"] = _float(eps2, "eps[1]", cls_name)
         elif key == "adjust_lr_fn":
             out[key] = group[key] or ""
         elif key == "ns_steps":
@@ -83,14 +86,15 @@ def _check_class(optimizer: torch.optim.Optimizer) -> str:
         raise UnsupportedError(
             f"optimizer {cls.__module__}.{cls.__qualname__} is not supported: {NOT_ELEMENTWISE[name]}, while "
             "graphfuse updates flat shards that may cross parameter boundaries, so only elementwise updates "
-            f"(and torch.optim.Muon's, whose matrices graphfuse keeps whole) are exact. Supported: {SUPPORTED}"
+            "(and those of torch.optim.Muon and Adafactor, whose parameters graphfuse keeps whole) are exact. "
+            f"Supported: {SUPPORTED}"
         )
     if name not in CLASSES or cls is not getattr(torch.optim, name, None):
         raise UnsupportedError(
             f"optimizer {cls.__module__}.{cls.__qualname__} is not supported; supported: {SUPPORTED} "
             "(exact classes, not subclasses, since a subclass may change the update; graphfuse updates flat "
             "shards that may cross parameter boundaries, so only elementwise updates, and the whole-matrix updates "
-            "graphfuse knows (torch.optim.Muon), can be compiled)"
+            "graphfuse knows (torch.optim.Muon, Adafactor), can be compiled)"
         )
     return name
 

@@ -1,6 +1,7 @@
-"""The updates that read a whole parameter (torch.optim.Muon's orthogonalisation), mirroring
-torch's `_single_tensor_*` code op for op; each runs on one whole parameter, never on a shard
-(or, on CUDA, on a stack of same-shape ones: `BATCHED`)."""
+"""The updates that read a whole parameter (torch.optim.Muon's orthogonalisation, torch.optim.
+Adafactor's factored second moment and its norms), mirroring torch's `_single_tensor_*` code op
+for op; each runs on one whole parameter, never on a shard (or, on CUDA, Muon's on a stack of
+same-shape ones: `BATCHED`)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,62 @@ def muon(spec: GroupSpec, param: T, grad: T, states: dict, scalars: dict) -> tup
     param = torch.mul(param, scalars["decay"])
     # `param.add_(update, alpha=-adjusted_lr)`, written as in graphfuse.optim.updates._sub_lr.
     return torch.addcmul(param, update, adjusted, value=-1), {"momentum_buffer": buf}
+
+
+# ---- Adafactor ------------------------------------------------------------------------------
+def adafactor_states(spec: GroupSpec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """torch's Adafactor state of a parameter of `shape`: a matrix (or more dimensions) keeps the
+    row factor (the last dimension reduced to 1) and the column factor (the one before it
+    reduced) of its second moment; a vector (or a scalar) keeps its whole second moment."""
+    if len(shape) > 1:
+        return {"row_var": (*shape[:-1], 1), "col_var": (*shape[:-2], 1, shape[-1])}
+    return {"variance": shape}
+
+
+def adafactor_host(spec: GroupSpec, lr: float, wd: float, step: int, carried: dict) -> dict:
+    """torch's per-step doubles: the lerp weight 1 - beta2_t = t^beta2_decay, the relative step
+    size rho_t = min(lr, 1/sqrt(t)) and the weight decay's factor 1 - lr * wd (torch skips the
+    multiplication when wd is 0; a product with 1.0 changes no value)."""
+    t = float(step)
+    return {"beta2_weight": t**spec.beta2_decay, "rho": min(lr, 1 / (t**0.5)), "decay": 1 - lr * wd}
+
+
+def _lerp(start: T, end: T, weight: T) -> T:
+    """`start.lerp_(end, w)` with a per-step double `w` (a 0-d float64 tensor): the kernel reads
+    w in the dtype it computes in (float32 for float32, bfloat16 and float16; float64 for
+    float64) and rounds the result once, so the same lerp in that dtype, cast back, is bitwise."""
+    compute = torch.promote_types(start.dtype, torch.float32)
+    out = torch.lerp(start.to(compute), end.to(compute), weight.to(compute))
+    return out.to(start.dtype)
+
+
+def adafactor(spec: GroupSpec, param: T, grad: T, states: dict, scalars: dict) -> tuple[T, dict]:
+    """torch's `_single_tensor_adafactor` of one whole parameter. Its host reads of norms
+    (`.item()` into Python doubles) are float64 tensors here, computed with the same roundings."""
+    if param.dim() == 0:  # as one element: a 0-d tensor times a 0-d float64 scalar would compute in float64
+        new_p, new = adafactor(
+            spec, param.reshape(1), grad.reshape(1), {"variance": states["variance"].reshape(1)}, scalars
+        )
+        return new_p.reshape(()), {"variance": new["variance"].reshape(())}
+    eps1 = torch.finfo(param.dtype).eps if spec.eps1 is None else spec.eps1
+    numel = param.numel()
+    rms = torch.div(torch.norm(param, 2).to(torch.float64), numel**0.5)
+    alpha = torch.mul(torch.clamp(rms, min=spec.eps2), scalars["rho"])
+    param = torch.mul(param, scalars["decay"])
+    if grad.dim() > 1:
+        row_mean = torch.div(torch.square(torch.norm(grad, dim=-1, keepdim=True)), grad.size(-1))
+        row_var = _lerp(states["row_var"], row_mean, scalars["beta2_weight"])
+        col_mean = torch.div(torch.square(torch.norm(grad, dim=-2, keepdim=True)), grad.size(-2))
+        col_var = _lerp(states["col_var"], col_mean, scalars["beta2_weight"])
+        var_estimate = torch.div(row_var @ col_var, torch.clamp(row_var.mean(dim=-2, keepdim=True), min=eps1))
+        new = {"row_var": row_var, "col_var": col_var}
+    else:
+        var_estimate = variance = _lerp(states["variance"], torch.mul(grad, grad), scalars["beta2_weight"])
+        new = {"variance": variance}
+    update = torch.mul(torch.rsqrt(torch.clamp(var_estimate, min=eps1 * eps1)), grad)
+    denom = torch.clamp(torch.div(torch.norm(update, 2).to(torch.float64), (numel**0.5) * spec.d), min=1.0)
+    # `param.add_(update, alpha=-alpha / denom)`, written as in graphfuse.optim.updates._sub_lr.
+    return torch.addcmul(param, update, torch.div(alpha, denom), value=-1), new
 
 
 # Kinds whose update also takes a (k, m, n) stack of same-shape matrices (batched on CUDA).

@@ -1,5 +1,5 @@
-"""The table of the torch.optim updates graphfuse compiles (elementwise, and Muon's whole-matrix
-one), one rule per optimizer: the hyper-parameters it bakes in, its states, the per-step scalars
+"""The table of the torch.optim updates graphfuse compiles (elementwise, and the whole-matrix
+ones of Muon and Adafactor), one rule per optimizer: the hyper-parameters it bakes in, its states, the per-step scalars
 the host computes, and its update (graphfuse/optim/updates.py); and the torch.optim class each
 rule stands for."""
 
@@ -23,6 +23,8 @@ class Rule:
     ("betas" fills beta1 and beta2); `states(spec)` and `scalars(spec)` name the update's
     per-element states and per-step host scalars, `host(spec, lr, wd, step, carried)` computes
     the scalars of step `step` (1-based) as torch does in Python doubles, `update` is the step.
+    `state_shapes(spec, shape)`, where states are not all shaped like their parameter, gives the
+    states a parameter of `shape` has and their shapes (GroupSpec.state_shapes).
     `carry(spec, lr, wd, step)` gives the values named `carried` that step `step` leaves for the
     next one and that depend on its lr (ASGD's eta; torch keeps them as 0-d states): the runtime
     hands them to the next step's `host`, and checkpoints save and restore them under their names.
@@ -37,6 +39,7 @@ class Rule:
     update: Callable[[GroupSpec, T, T, dict, dict], tuple[T, dict]]
     carried: tuple[str, ...] = ()
     carry: Callable[[GroupSpec, float, float, int], dict[str, float]] = lambda spec, lr, wd, step: {}
+    state_shapes: Callable[[GroupSpec, tuple[int, ...]], dict[str, tuple[int, ...]]] | None = None
 
 
 def _fixed(*names: str) -> Callable:
@@ -138,6 +141,15 @@ RULES.update(
                 m.muon_host,
                 m.muon,
             ),
+            Rule(
+                "adafactor",
+                ("beta2_decay", "eps", "d", "weight_decay", "maximize"),
+                _fixed("row_var", "col_var", "variance"),
+                _fixed("beta2_weight", "rho", "decay"),
+                m.adafactor_host,
+                m.adafactor,
+                state_shapes=m.adafactor_states,
+            ),
         )
     }
 )
@@ -156,5 +168,6 @@ CLASSES: dict[str, str] = {
     "Rprop": "rprop",
     "ASGD": "asgd",
     "Muon": "muon",
+    "Adafactor": "adafactor",
 }
 BOOL_SCALARS = ("first", "rectified", "average")  # host flags that select between traced branches

@@ -44,10 +44,21 @@ class GroupSpec:
     ns_c: float = 0.0
     ns_steps: int = 0
     adjust_lr_fn: str = ""  # "" for None
+    beta2_decay: float = 0.0  # Adafactor: beta2_decay, eps (eps1, or None for the dtype's, and eps2) and d
+    eps1: float | None = None
+    eps2: float = 0.0
+    d: float = 0.0
 
     @property
     def state_names(self) -> tuple[str, ...]:
         return RULES[self.kind].states(self)
+
+    def state_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The states a parameter of `shape` has and the shape of each, in state_names order:
+        every state shaped like its parameter, except where the rule says otherwise (Adafactor's
+        row and column factors of a matrix's second moment, and the variance of a vector)."""
+        own = RULES[self.kind].state_shapes
+        return {s: shape for s in self.state_names} if own is None else own(self, tuple(shape))
 
     @property
     def scalar_names(self) -> tuple[str, ...]:

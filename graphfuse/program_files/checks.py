@@ -144,8 +144,8 @@ def inputs_fit(program: Program) -> None:
     for b in layout.buckets:
         shard_dtypes = {b.dtype, "float32"}  # a state shard is the bucket's dtype, or fp32 masters and moments
         for name in program.signature.names(sig.SHARD):
-            if name.split(".", 1)[0] == b.name:
-                _fits(program, name, (b.shard_size,), shard_dtypes)
+            if name.split(".", 1)[0] == b.name:  # a state not shaped like its parameter has a layout of its own
+                _fits(program, name, (program.state_layout(b, name.split(".", 1)[1]).shard_size,), shard_dtypes)
         if b.name in names:
             _fits(program, b.name, (b.size,), {b.dtype})
 

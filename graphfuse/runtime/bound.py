@@ -71,11 +71,16 @@ class BoundProgram:
         """This rank's `slice@<fqn>` views: the parameter's data in the bucket shard, and
         `slice@<fqn>.<state>` in every state shard (and `.master`), padding excluded."""
         for bucket in self.layout.buckets:
-            shards = [n for n in self.tensors if n.startswith(bucket.name + ".")]
+            shards = [n.split(".", 1)[1] for n in self.tensors if n.startswith(bucket.name + ".")]
+            layouts = {
+                what: {s.fqn: s for s in self.program.state_layout(bucket, what).slices(self.rank)} for what in shards
+            }
             for s in bucket.slices(self.rank):
                 yield f"slice@{s.fqn}", self.tensors[bucket.name][slice(*bucket.bucket_range(self.rank, s))]
-                for name in shards:
-                    yield f"slice@{s.fqn}.{name.split('.', 1)[1]}", self.tensors[name][slice(*s.shard_range)]
+                for what in shards:
+                    if s.fqn in layouts[what]:  # each state in its own shard's layout (Adafactor's factors)
+                        part = slice(*layouts[what][s.fqn].shard_range)
+                        yield f"slice@{s.fqn}.{what}", self.tensors[f"{bucket.name}.{what}"][part]
 
 
 class BoundFront:

@@ -169,8 +169,9 @@ def _environment() -> dict[str, str]:
 
 
 def _context():
-    """Linux: "forkserver", whose server imports torch once, so a rank starts in a fraction of a
-    second instead of importing torch again (most of a multi-rank test's time on 2 cores). Its
+    """Linux: "forkserver", whose server imports torch and graphfuse once, so a rank starts in a
+    fraction of a second instead of importing them again (torch was most of a multi-rank test's
+    time on 2 cores; graphfuse, with torch.distributed.checkpoint, another 0.6 s a rank). Its
     ranks inherit the server's environment, not the caller's: when that changed since the server
     started (a test that sets a variable a rank reads), the server is restarted with the caller's.
     Elsewhere "spawn"."""
@@ -184,7 +185,7 @@ def _context():
         _forkserver_env.clear()
     ctx = mp.get_context("forkserver")
     if not _forkserver_env:
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "graphfuse"])
         _forkserver_env.append(_environment())
     return ctx
 

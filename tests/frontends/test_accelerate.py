@@ -99,6 +99,40 @@ def _ddp_under_the_graphfuse_backend() -> str:
     return f"{type(model).__name__}: not refused"
 
 
+def _ddp_habits(rank: int) -> dict:
+    """DDP around a model given to graphfuse (the habit of torch's ZeroRedundancyOptimizer):
+    gf.shard_optimizer refuses it; gf.compile traces the step, so DDP's hooks never run, and
+    trains bitwise like the unwrapped model (its FQNs prefixed "module.", as DDP's state_dict)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import graphfuse as gf
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    ddp = DistributedDataParallel(TiedLM())
+    out = {"eager": "not refused"}
+    try:
+        gf.shard_optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), model=ddp)
+    except gf.UnsupportedError as e:
+        out["eager"] = str(e)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    wrapped = DistributedDataParallel(copy.deepcopy(plain))
+    loss = lambda m, b: m(b).square().mean()  # noqa: E731
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(3, 4, generator=g) for _ in range(3)]
+    a = gf.compile(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=0.1), loss, xs[0])
+    b = gf.compile(plain, torch.optim.AdamW(plain.parameters(), lr=0.1), loss, xs[0])
+    out["compiled_equal"] = all(torch.equal(a(x), b(x)) for x in xs) and all(
+        torch.equal(p, q) for p, q in zip(wrapped.parameters(), plain.parameters())
+    )
+    out["compiled_fqns"] = list(a.program.layout.fqns)
+    return out
+
+
 def _rank(rank: int, world: int, tmp: str) -> dict:
     env = dict(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world, OMP_NUM_THREADS=1)
     os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1", MASTER_PORT="29400")
@@ -116,6 +150,7 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
 
     out["saved_weights"] = sorted(load_file(os.path.join(ckpt, "model.safetensors")))
     out["ddp"] = _ddp_under_the_graphfuse_backend()
+    out["ddp_habits"] = _ddp_habits(rank)
     return out
 
 
@@ -168,8 +203,17 @@ def test_save_state_and_load_state_resume_bitwise(results):
         assert _diff(r["resumed"]["weights"], r["gf"]["weights"]) == 0.0
 
 
-def test_ddp_around_a_model_compiled_with_the_graphfuse_backend_is_refused(results):
+def test_ddp_around_a_model_is_refused_where_it_would_reduce_twice_and_traced_through_by_gf_compile(results):
     world, ranks = results
     for r in ranks:
         assert r["ddp"].startswith("DistributedDataParallel: ") and "DistributedDataParallel" in r["ddp"][24:]
         assert "graphfuse.integrations.accelerate.prepare" in r["ddp"], r["ddp"]
+        # and around an eager model, where DDP's backward would all-reduce what graphfuse reduce-scatters again
+        eager = r["ddp_habits"]["eager"]
+        assert eager.startswith("gf.shard_optimizer(model=DistributedDataParallel(...)): DDP would"), eager
+        assert "pass the module DDP wraps (ddp.module)" in eager, eager
+        # gf.compile traces the step through DDP's forward: one reduction (graphfuse's), bitwise
+        assert r["ddp_habits"]["compiled_equal"], r["ddp_habits"]
+        assert sorted(r["ddp_habits"]["compiled_fqns"]) == [
+            f"module.{i}.{w}" for i in (0, 2) for w in ("bias", "weight")
+        ]

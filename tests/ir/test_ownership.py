@@ -115,3 +115,48 @@ def test_costs_equalise_where_they_can_and_the_length_cap_binds():
     assert assign([1, 10, 10, 10, 10, 10], [100, 1, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 0, 0]
     at = place([1, 10, 10, 10, 10, 10], [100, 1, 1, 1, 1, 1], 2, 1)
     assert at.size == 2 * 30 and at.offsets == (0, 30, 40, 50, 1, 11)
+
+
+def _factor(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A state not shaped like its parameter: Adafactor's row factor of a matrix."""
+    return (*shape[:-1], 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
+def test_a_state_not_shaped_like_its_parameter_lies_whole_with_its_owner(rows, world, align, cap):
+    """graphfuse.ir.layout.state_bucket: each member's state (a matrix's row factor; none for a
+    vector) lies whole in the state shard of the rank that owns the member, the owner's members
+    in bucket order without overlap, every state shard as long as the longest run; a bucket laid
+    out elementwise, whose members may cross shards, is refused."""
+    import pytest
+
+    from graphfuse.errors import GraphfuseError
+    from graphfuse.ir.state_layout import state_bucket
+
+    params, whole, layout = _plan(rows, world, align, cap)
+    for bucket in layout.buckets:
+        shapes = {s.fqn: _factor(s.shape) for s in bucket.slots if len(s.shape) == 2}
+        if bucket.fqns[0] not in whole:
+            crossing = any(
+                bucket.owner(f) != (bucket.slot(f).offset + bucket.slot(f).numel - 1) // bucket.shard_size
+                for f in shapes
+            )
+            if crossing:
+                with pytest.raises(GraphfuseError, match="crosses a shard boundary"):
+                    state_bucket(bucket, shapes)
+            continue
+        assert state_bucket(bucket, None) is bucket
+        states = state_bucket(bucket, shapes)
+        runs = [[f for f in bucket.fqns if f in shapes and bucket.owner(f) == r] for r in range(world)]
+        assert states.shard_size == max(1, *(sum(shapes[f][0] for f in run) for run in runs))
+        assert states.size == world * states.shard_size and states.fqns == tuple(f for run in runs for f in run)
+        for r, run in enumerate(runs):
+            slices = states.slices(r)
+            assert [s.fqn for s in slices] == run
+            end = 0
+            for s in slices:
+                slot = states.slot(s.fqn)
+                assert slot.shape == shapes[s.fqn] and (s.param_start, s.numel) == (0, slot.numel)
+                assert s.shard_start == end  # packed, in bucket order
+                end = s.shard_end

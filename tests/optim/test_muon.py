@@ -1,7 +1,7 @@
 """torch.optim.Muon under graphfuse: each weight matrix lies whole in one rank's shard
 (graphfuse.ir.ownership) and its owner runs Muon's update on it. Bitwise against
 torch.optim.Muon at 1 rank; the graph each rank runs at 2 and 3 ranks. Against an eager
-data-parallel run at 2 and 3 Gloo ranks (with AdamW beside it): tests/checkpoint/test_muon_resume.py."""
+data-parallel run at 2 and 3 Gloo ranks (with AdamW beside it): tests/checkpoint/test_matrix_resume.py."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ from graphfuse.errors import GraphfuseError, UnsupportedError
 from graphfuse.ir.layout import ParamInfo, plan_buckets
 from graphfuse.passes import sharded_update
 from graphfuse.passes.sharded_update import whole_update_function
+from tests.optim.lockstep import (
+    assert_bitwise_lockstep,
+    assert_same_torch_state,
+    loss_fn,
+    regression_batches,
+    transformer_pair,
+)
 
 STEPS = 4
 MATRIX_OPTIMIZERS = ("Muon",)  # the torch.optim classes whose update reads whole matrices, tested here
@@ -36,14 +43,8 @@ class Matrices(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def loss_fn(model: nn.Module, batch) -> torch.Tensor:
-    x, y = batch
-    return (model(x) - y).square().mean()
-
-
 def batches(steps: int, seed: int = 0) -> list:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(steps)]
+    return regression_batches(steps, 4, seed)
 
 
 MUONS = {
@@ -74,17 +75,7 @@ def test_muon_is_bitwise_equal_to_torch_optim_muon(name):
     s_ref = _schedule(o_ref)
     o_gf = MUONS[name](m_gf)
     dm = gf.compile(m_gf, o_gf, loss_fn, batches(1)[0])
-    s_gf = _schedule(o_gf)
-    for i, batch in enumerate(batches(STEPS)):
-        o_ref.zero_grad()
-        loss = loss_fn(m_ref, batch)
-        loss.backward()
-        o_ref.step()
-        s_ref.step()
-        assert torch.equal(loss.detach(), dm(batch)), f"step {i}: loss differs"
-        s_gf.step()
-        for (n, p), q in zip(m_ref.named_parameters(), m_gf.parameters()):
-            assert torch.equal(p, q), f"step {i}: {n} differs by {(p - q).abs().max().item()}"
+    assert_bitwise_lockstep(m_ref, [o_ref], m_gf, dm, loss_fn, batches(STEPS), [s_ref, _schedule(o_gf)])
     assert reads_whole(dm.program.optim.groups[0]) and dm.steps == [STEPS] * len(o_gf.param_groups)
 
 
@@ -141,13 +132,13 @@ def test_a_whole_matrix_update_refuses_a_shard_that_holds_part_of_a_parameter():
 
 
 def test_whole_or_elementwise_is_decided_from_the_traced_update():
-    """Of torch's optimizers only Muon's update reads a parameter whole; an update of one's own
+    """Of torch's optimizers Muon's and Adafactor's updates read a parameter whole; an update of one's own
     that normalises rows (a shape-keeping softmax, or a division by a row norm) is seen as whole
     too, so it gets a whole-matrix layout rather than a silent slice."""
     from graphfuse.optim import RULES, GroupSpec, Rule
 
-    every = {kind: reads_whole(GroupSpec(kind=kind, params=(), momentum=0.9, ns_steps=1)) for kind in RULES}
-    assert every == {kind: kind == "muon" for kind in RULES}
+    every = {kind: reads_whole(GroupSpec(kind=kind, params=(), momentum=0.9, ns_steps=1, d=1.0)) for kind in RULES}
+    assert every == {kind: kind in ("muon", "adafactor") for kind in RULES}
     own = {
         "own_softmax": lambda spec, p, g, states, scalars: (torch.sub(p, torch.softmax(g, dim=-1)), {}),
         "own_rownorm": lambda spec, p, g, states, scalars: (torch.sub(p, g / g.norm(dim=-1, keepdim=True)), {}),
@@ -201,36 +192,14 @@ def hidden_and_rest(model: nn.Module) -> list[torch.optim.Optimizer]:
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_muon_and_adamw_on_a_transformer_are_bitwise_equal_to_torch(name):
-    from graphfuse.testing.models import gpt_loss
-    from tests.capture.test_capture import hf_lm_loss, small_gpt, tiny_llama, token_batches
-
-    if name == "llama":
-        pytest.importorskip("transformers", reason="the HF Llama needs transformers (the hf extra)")
-    torch.manual_seed(0)
-    m_ref = small_gpt() if name == "gpt" else tiny_llama()
-    m_gf = copy.deepcopy(m_ref)
+    m_ref, m_gf, loss_of, data = transformer_pair(name)
     o_ref, o_gf = hidden_and_rest(m_ref), hidden_and_rest(m_gf)
-    loss_of = gpt_loss if name == "gpt" else hf_lm_loss
-    data = token_batches(2, vocab=64 if name == "gpt" else 96)
     dm = gf.compile(m_gf, o_gf, loss_of, data[0])
     assert dm.program.optim.cls_name == "Muon+AdamW" and len(o_gf[0].param_groups[0]["params"]) >= 8
-    for i, batch in enumerate(data):
-        for o in o_ref:
-            o.zero_grad()
-        loss = loss_of(m_ref, batch)
-        loss.backward()
-        for o in o_ref:
-            o.step()
-        assert torch.equal(loss.detach(), dm(batch)), f"step {i}: loss differs"
-        for (n, p), q in zip(m_ref.named_parameters(), m_gf.parameters()):
-            assert torch.equal(p, q), f"step {i}: {n} differs by {(p - q).abs().max().item()}"
+    assert_bitwise_lockstep(m_ref, o_ref, m_gf, dm, loss_of, data)
     # Each of the user's optimizers speaks for its own state and refuses a step of its own.
     for o, ref in zip(o_gf, o_ref):
-        got, want = o.state_dict(), ref.state_dict()
-        assert got["param_groups"] == want["param_groups"] and got["state"].keys() == want["state"].keys()
-        for k, states in want["state"].items():
-            for name, t in states.items():
-                assert torch.equal(got["state"][k][name], t), f"{type(o).__name__} state {k}.{name} differs"
+        assert_same_torch_state(o.state_dict(), ref.state_dict())
         with pytest.raises(UnsupportedError, match="step"):
             o.step()
 

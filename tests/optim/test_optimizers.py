@@ -127,9 +127,10 @@ def test_asgd_with_an_lr_changed_every_step_is_bitwise_and_resumes_bitwise(mode,
 def test_every_elementwise_optimizer_of_torch_is_covered():
     """A torch.optim class that is neither compiled nor refused by name would be a gap."""
     from graphfuse.optim import CLASSES, NOT_ELEMENTWISE
+    from tests.optim.test_adafactor import TESTED
     from tests.optim.test_muon import MATRIX_OPTIMIZERS
 
-    tested = {type(make(MLP())).__name__ for make in OPTIMIZERS.values()} | set(MATRIX_OPTIMIZERS)
+    tested = {type(make(MLP())).__name__ for make in OPTIMIZERS.values()} | set(MATRIX_OPTIMIZERS) | set(TESTED)
     assert tested == set(CLASSES)
     classes = {
         name
@@ -155,7 +156,6 @@ def _refused(name: str):
         "LBFGS": lambda: torch.optim.LBFGS(m.parameters()),
         "SparseAdam": lambda: torch.optim.SparseAdam(list(m.parameters())),
         "Muon": lambda: Muon(m.parameters()),
-        "Adafactor": lambda: torch.optim.Adafactor(m.parameters()),
     }[name](), m
 
 
@@ -165,7 +165,6 @@ def _refused(name: str):
         ("LBFGS", "closure"),
         ("SparseAdam", "sparse"),
         ("Muon", "exact classes, not subclasses"),
-        ("Adafactor", "row and column sums"),
     ],
 )
 def test_optimizer_that_is_not_elementwise_is_refused_by_name(name, why):

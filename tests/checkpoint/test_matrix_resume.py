@@ -1,8 +1,10 @@
-"""Checkpoints of a step with two optimizers (torch.optim.Muon for the matrices, whose owners
-change with the world size, and AdamW for the biases): both modes saved at 2 ranks resume bitwise
-at 2, the balanced one (and the unbalanced one converted offline) loads bitwise at 3 and 1; the
-torch form is one state dict per optimizer, which plain torch.optim.Muon and AdamW load and step
-on bitwise."""
+"""Checkpoints of a step with two optimizers, one whose update reads each parameter whole and
+AdamW: torch.optim.Muon for the matrices and AdamW for the biases; or torch.optim.Adafactor
+for the matrices and two biases (a row and a column factor per matrix, a whole second moment
+per bias, each in its own shape) and AdamW for the last bias. The whole-update parameters' owners
+change with the world size. Both modes saved at 2 ranks resume bitwise at 2, the balanced one
+(and the unbalanced one converted offline) loads bitwise at 3 and 1; the torch form is one
+state dict per optimizer, which plain torch optimizers load and step on bitwise."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -41,16 +44,25 @@ def batch(rank: int, i: int):
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
 
-def optimizers(model: Net) -> list[torch.optim.Optimizer]:
+KINDS = ("Muon", "Adafactor")
+
+
+def optimizers(model: Net, kind: str) -> list[torch.optim.Optimizer]:
     matrices = [p for p in model.parameters() if p.ndim == 2]
     vectors = [p for p in model.parameters() if p.ndim != 2]
+    if kind == "Adafactor":
+        whole = matrices + [model.a.bias, model.b.bias]
+        return [
+            torch.optim.Adafactor(whole, lr=0.05, weight_decay=0.05),
+            torch.optim.AdamW([model.c.bias], lr=1e-2, foreach=False),
+        ]
     return [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.05), torch.optim.AdamW(vectors, lr=1e-2, foreach=False)]
 
 
-def compiled(seed: int) -> tuple[Net, list[torch.optim.Optimizer], gf.DistModel]:
+def compiled(seed: int, kind: str) -> tuple[Net, list[torch.optim.Optimizer], gf.DistModel]:
     torch.manual_seed(seed)
     model = Net()
-    opts = optimizers(model)
+    opts = optimizers(model, kind)
     return model, opts, gf.compile(model, opts, loss_fn, batch(0, 0))
 
 
@@ -63,15 +75,27 @@ def owners(dm: gf.DistModel) -> dict[str, int]:
     return {f: b.owner(f) for b in dm.layout.buckets if reads_whole(dm.program.optim.groups[b.group]) for f in b.fqns}
 
 
-def eager_step(model: Net, opts: list[torch.optim.Optimizer], b) -> float:
-    """One step of the eager data-parallel reference: gradients averaged with all_reduce(AVG)."""
+def eager_step(model: Net, opts: list[torch.optim.Optimizer], b, layout=None) -> float:
+    """One step of the eager data-parallel reference: gradients averaged with all_reduce(AVG) per
+    parameter, or with `layout` one all_reduce per flat bucket as graphfuse lays them out (at 3
+    ranks Gloo sums each chunk of a tensor in another rank order, so only the same chunks give
+    the same sums to the bit, as in tests/runtime/test_zero1.py)."""
     import torch.distributed as dist
 
     for o in opts:
         o.zero_grad()
     loss = loss_fn(model, b)
     loss.backward()
-    if dist.is_initialized():
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    if dist.is_initialized() and layout is not None:
+        for bucket in layout.buckets:
+            flat = torch.zeros(bucket.size)
+            for s in bucket.slots:
+                flat[s.offset : s.offset + s.numel] = grads[s.fqn].reshape(-1)
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+            for s in bucket.slots:
+                grads[s.fqn].copy_(flat[s.offset : s.offset + s.numel].view_as(grads[s.fqn]))
+    elif dist.is_initialized():
         for p in model.parameters():
             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
     for o in opts:
@@ -79,14 +103,14 @@ def eager_step(model: Net, opts: list[torch.optim.Optimizer], b) -> float:
     return loss.item()
 
 
-def first(rank: int, world: int, root: str) -> dict:
+def first(rank: int, world: int, root: str, kind: str) -> dict:
     """At 2 ranks: train beside the eager data-parallel reference (and gf.shard_optimizer of the
     same list), save both modes, go on; and runs resumed from each checkpoint (fresh models,
     other weights) beside the unbroken one."""
-    model, opts, dm = compiled(0)
+    model, opts, dm = compiled(0, kind)
     eager, by_hand = copy.deepcopy(model), copy.deepcopy(model)
-    plain = optimizers(eager)
-    sharded = gf.shard_optimizer(optimizers(by_hand), model=by_hand)  # the same list, for an eager backward
+    plain = optimizers(eager, kind)
+    sharded = gf.shard_optimizer(optimizers(by_hand, kind), model=by_hand)  # the same list, for an eager backward
     equal = True
     for i in SAVED:
         equal &= eager_step(eager, plain, batch(rank, i)) == dm(batch(rank, i)).item()
@@ -101,7 +125,7 @@ def first(rank: int, world: int, root: str) -> dict:
         torch.save(saved, os.path.join(root, "reference.pt"))
     resumed = {}
     for mode in ("unbalanced", "balanced"):
-        resumed[mode] = compiled(1)
+        resumed[mode] = compiled(1, kind)
         gf.load(resumed[mode][2], os.path.join(root, mode))
     for i in RESUMED:
         loss = eager_step(eager, plain, batch(rank, i))
@@ -111,26 +135,28 @@ def first(rank: int, world: int, root: str) -> dict:
         for m in (model, *(r[0] for r in resumed.values()))
         for p, q in zip(eager.parameters(), m.parameters())
     )
-    muon, adamw = (set(next(iter(sd["state"].values()))) for sd in saved["optim"])
-    return {"equal": equal, "owners": owners(dm), "states": (muon, adamw)}
+    states = [sorted({tuple(sorted(s)) for s in sd["state"].values()}) for sd in saved["optim"]]
+    return {"equal": equal, "owners": owners(dm), "states": states}
 
 
-def load(rank: int, world: int, root: str) -> dict:
+def load(rank: int, world: int, root: str, kind: str) -> dict:
     """At another world size: the balanced checkpoint, and the unbalanced one converted offline,
     load bitwise (the gathered state equals the saved one); the balanced run goes on bitwise
     beside an eager data-parallel replica that plain torch optimizers resume from the torch form."""
     reference = torch.load(os.path.join(root, "reference.pt"))
     out = {}
     for mode in ("converted", "balanced"):
-        model, opts, dm = compiled(1)  # other weights: everything comes from the checkpoint
+        model, opts, dm = compiled(1, kind)  # other weights: everything comes from the checkpoint
         gf.load(dm, os.path.join(root, mode))
         out[mode] = same(state(model, opts), reference)
     eager = Net()
     eager.load_state_dict(reference["model"])
-    plain = optimizers(eager)
+    plain = optimizers(eager, kind)
     for o, sd in zip(plain, reference["optim"]):
         o.load_state_dict(sd)
-    out["resumed"] = all(eager_step(eager, plain, batch(rank, i)) == dm(batch(rank, i)).item() for i in RESUMED)
+    out["resumed"] = all(
+        eager_step(eager, plain, batch(rank, i), dm.layout) == dm(batch(rank, i)).item() for i in RESUMED
+    )
     out["resumed"] &= all(torch.equal(p, q) for p, q in zip(eager.parameters(), model.parameters()))
     out["owners"] = owners(dm)
     return out
@@ -144,27 +170,37 @@ def same(a, b) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
-def test_muon_and_adamw_are_bitwise_at_2_and_3_ranks_and_checkpoints_move_ownership_with_the_world_size(tmp_path):
+STATES = {  # per optimizer, the sets of state names its parameters have, as torch.optim keeps them
+    "Muon": [[("momentum_buffer",)], [("exp_avg", "exp_avg_sq", "step")]],  # Muon keeps no step
+    "Adafactor": [[("col_var", "row_var", "step"), ("step", "variance")], [("exp_avg", "exp_avg_sq", "step")]],
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_whole_updates_and_adamw_are_bitwise_at_2_and_3_ranks_and_checkpoints_move_ownership_with_the_world_size(
+    tmp_path, kind
+):
     root = str(tmp_path)
-    saved = run_ranks(first, 2, root)
+    saved = run_ranks(first, 2, root, kind)
     assert all(r["equal"] for r in saved)
-    assert saved[0]["states"] == ({"momentum_buffer"}, {"exp_avg", "exp_avg_sq", "step"})  # Muon keeps no step
+    assert saved[0]["states"] == STATES[kind]
     for mode in ("unbalanced", "balanced"):  # the record names both optimizers, not the wrapper's class
-        assert json.loads(Path(root, mode, "graphfuse.json").read_text())["optimizer"] == "Muon+AdamW"
+        assert json.loads(Path(root, mode, "graphfuse.json").read_text())["optimizer"] == f"{kind}+AdamW"
     checkpoint_cli.cli_convert(os.path.join(root, "unbalanced"), os.path.join(root, "converted"), "balanced")
-    at3 = run_ranks(load, 3, root)
-    for r in [*at3, load(0, 1, root)]:  # and at world size 1, in this process
+    at3 = run_ranks(load, 3, root, kind)
+    for r in [*at3, load(0, 1, root, kind)]:  # and at world size 1, in this process
         assert r["converted"] and r["balanced"] and r["resumed"], r
     assert at3[0]["owners"] != saved[0]["owners"]  # ownership moved with the world size
     assert sorted(set(at3[0]["owners"].values())) == [0, 1, 2]
 
 
-def test_the_torch_form_is_one_state_dict_per_optimizer_that_plain_torch_loads_and_steps_on_bitwise():
-    model, opts, dm = compiled(0)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_torch_form_is_one_state_dict_per_optimizer_that_plain_torch_loads_and_steps_on_bitwise(kind):
+    model, opts, dm = compiled(0, kind)
     eager = copy.deepcopy(model)
     for i in SAVED:
         dm(batch(0, i))
-    plain = optimizers(eager)
+    plain = optimizers(eager, kind)
     with torch.no_grad():
         for p, q in zip(eager.parameters(), model.parameters()):
             p.copy_(q)
@@ -180,24 +216,25 @@ def test_the_torch_form_is_one_state_dict_per_optimizer_that_plain_torch_loads_a
         assert torch.equal(loss.detach(), dm(batch(0, i)))
         assert all(torch.equal(p, q) for p, q in zip(eager.parameters(), model.parameters()))
     # and back: plain torch's state dicts (of AdamW alone, then of both) load into graphfuse's
-    model2, opts2, dm2 = compiled(1)
+    model2, opts2, dm2 = compiled(1, kind)
     model2.load_state_dict(eager.state_dict())
     opts2[1].load_state_dict(plain[1].state_dict())
     assert same(opts2[1].state_dict(), plain[1].state_dict())
-    # Muon, not loaded, keeps its fresh state: zero momentum buffers (torch.optim's first step
+    # The first optimizer, not loaded, keeps its fresh state: zeros (torch.optim's first step
     # starts from the same zeros), and its own param groups
-    muon = opts2[0].state_dict()
-    assert not any(s["momentum_buffer"].any() for s in muon["state"].values())
-    assert muon["param_groups"] == plain[0].state_dict()["param_groups"]
+    fresh = opts2[0].state_dict()
+    assert not any(t.any() for s in fresh["state"].values() for t in s.values())
+    assert fresh["param_groups"] == plain[0].state_dict()["param_groups"]
     dm2.optimizer.load_state_dict([o.state_dict() for o in plain])
     assert same(dm2.optimizer.state_dict(), [o.state_dict() for o in plain])
 
 
-def test_shard_optimizer_takes_the_list_too_bitwise_with_a_state_dict_per_optimizer():
+@pytest.mark.parametrize("kind", KINDS)
+def test_shard_optimizer_takes_the_list_too_bitwise_with_a_state_dict_per_optimizer(kind):
     torch.manual_seed(0)
     eager = Net()
     model = copy.deepcopy(eager)
-    plain, opts = optimizers(eager), optimizers(model)
+    plain, opts = optimizers(eager, kind), optimizers(model, kind)
     sharded = gf.shard_optimizer(opts, model=model)
     for i in SAVED:
         sharded.zero_grad()
@@ -210,15 +247,17 @@ def test_shard_optimizer_takes_the_list_too_bitwise_with_a_state_dict_per_optimi
     assert len(sharded.state_dict()["param_groups"]) == 2  # its own: both optimizers' groups
 
 
-def test_a_saved_program_of_muon_and_adamw_runs_again_from_its_file(tmp_path):
-    """gf.save_program admits Muon's ops (linalg_vector_norm); DistModel.from_program takes the list."""
-    model, opts, dm = compiled(0)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_saved_program_of_a_whole_update_and_adamw_runs_again_from_its_file(tmp_path, kind):
+    """gf.save_program admits Muon's and Adafactor's ops (linalg_vector_norm, the factors' mm);
+    DistModel.from_program takes the list."""
+    model, opts, dm = compiled(0, kind)
     gf.save_program(dm.program, tmp_path / "program")
     program = gf.load_program(tmp_path / "program")
-    assert program.optim.cls_name == "Muon+AdamW"
+    assert program.optim.cls_name == f"{kind}+AdamW"
     torch.manual_seed(0)
     again = Net()
-    loaded = gf.DistModel.from_program(program, again, optimizers(again))
+    loaded = gf.DistModel.from_program(program, again, optimizers(again, kind))
     for i in SAVED:
         assert torch.equal(dm(batch(0, i)), loaded(batch(0, i)))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
