@@ -3,10 +3,13 @@ rest, against graphfuse's own AdamW step and torch's three rows in one run (GPT-
 autocast, batch 8 x 1024): torch.compile(model + loss) with fused AdamW, the same with
 torch.optim.Muon + fused AdamW, and the same with torch.compile(muon.step). Then the plan at
 `--plan-world` ranks, traced without a process group: each rank's Newton-Schulz work (the busiest
-against the mean) and the padding whole-matrix ownership adds, as a share of bucket bytes.
+against the mean) and the padding whole-matrix ownership adds, as a share of bucket bytes; with
+`--plan-optimizer adafactor` or `adafactor_all`, the plan of Adafactor on the block matrices or
+on every parameter instead of Muon.
 
     python tools/bench_muon.py                      # CUDA: all methods, then the plan at 8 ranks
     python tools/bench_muon.py --plan-only          # any machine: the plan only
+    python tools/bench_muon.py --plan-only --plan-world 64 --plan-optimizer adafactor_all
     python tools/bench_muon.py --layers 2 --embd 128 --heads 4 --block 128 --batch 2 --vocab 512 --steps 3
 """
 
@@ -42,12 +45,19 @@ def is_matrix(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and name.startswith("blocks.")
 
 
+PLANS = ("muon", "adafactor", "adafactor_all")  # --plan-optimizer: what is updated whole in the plan
+
+
 def optimizers(model: torch.nn.Module, method: str, fused: bool) -> list[torch.optim.Optimizer]:
     kw = {"fused": True} if fused else {"foreach": False}
     if "adamw" in method:
         return [torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **kw)]
     mats = [p for n, p in model.named_parameters() if is_matrix(n, p)]
     rest = [p for n, p in model.named_parameters() if not is_matrix(n, p)]
+    if method == "adafactor_all":  # every parameter, the embeddings too
+        return [torch.optim.Adafactor(model.parameters(), lr=1e-2)]
+    if method == "adafactor":
+        return [torch.optim.Adafactor(mats, lr=1e-2), torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.1, **kw)]
     return [
         torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
         torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.1, **kw),
@@ -147,15 +157,17 @@ def kernels(step, batches: list, top: int = 15) -> list:
     return [("all kernels", sum(by_name.values()))] + ranked[:top]
 
 
-def plan(cfg: GPTConfig, world: int, batch: int) -> dict:
-    """The layout at `world` ranks (planning needs no group): per Muon bucket and rank, the owned
-    matrices' Newton-Schulz cost; busiest / mean; padding over all buckets' bytes."""
+def plan(cfg: GPTConfig, world: int, batch: int, updated_whole: str = "muon") -> dict:
+    """The layout at `world` ranks (planning needs no group): per bucket laid out whole and rank,
+    the owned parameters' update cost (Muon: Newton-Schulz; Adafactor: elements); busiest / mean;
+    padding over all buckets' bytes, and the buckets' elements over the parameters'.
+    `updated_whole` (PLANS): Muon on the block matrices, Adafactor on them, or on every parameter."""
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
     model = model.to_empty(device="cpu")
     example = synthetic_tokens(cfg, batch, 1, seed=0)[0]
-    program = gf.capture(model, optimizers(model, "muon", fused=False), loss_fn, example, gf.Strategy())
+    program = gf.capture(model, optimizers(model, updated_whole, fused=False), loss_fn, example, gf.Strategy())
     program = run_pipeline(program.with_(world_size=world, rank=0, group_name="plan"))
     facts = ownership_facts(program)
     cost = [0] * world
@@ -168,7 +180,9 @@ def plan(cfg: GPTConfig, world: int, batch: int) -> dict:
     muon_total = sum(b.shard_size * b.world_size for b in buckets if b.name in muon)
     return {
         "world_size": world,
+        "updated_whole": updated_whole,
         "matrices": sum(len(f["params"]) for f in facts),
+        "buckets_over_parameters": total / sum(p.numel() for p in model.parameters()),
         "cost_per_rank": cost,
         "busiest_over_mean": max(cost) / (sum(cost) / world),
         "padding_elements": padding,
@@ -182,6 +196,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
     ap.add_argument("--plan-only", action="store_true", help="only the plan at --plan-world ranks (no timing)")
     ap.add_argument("--plan-world", type=int, default=8)
+    ap.add_argument("--plan-optimizer", choices=PLANS, default="muon", help="what the plan updates whole")
     ap.add_argument(
         "--profile", action="store_true", help="CUDA: each method's top kernels over 3 steps, in the record"
     )
@@ -200,7 +215,7 @@ def main() -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    layout = plan(cfg, args.plan_world, args.batch)
+    layout = plan(cfg, args.plan_world, args.batch, args.plan_optimizer)
 
     from rich.table import Table
 
@@ -225,13 +240,16 @@ def main() -> None:
         ratios["speedup_vs_torch_compile_muon_compiled"] = (
             rows["torch_compile_muon_compiled"]["step_ms"] / rows["graphfuse_muon"]["step_ms"]
         )
-    owned = Table(title=f"Whole-matrix ownership at {layout['world_size']} ranks (traced, no group)")
-    for col in ("matrices", "busiest / mean Newton-Schulz work", "padding, share of all bucket bytes"):
+    owned = Table(
+        title=f"Whole-matrix ownership at {layout['world_size']} ranks, {args.plan_optimizer} (traced, no group)"
+    )
+    for col in ("updated whole", "busiest / mean update cost", "padding, share of bucket bytes", "buckets / params"):
         owned.add_column(col)
     owned.add_row(
         str(layout["matrices"]),
         f"{layout['busiest_over_mean']:.3f}",
         f"{100 * layout['padding_share_of_all_buckets']:.2f}%",
+        f"{layout['buckets_over_parameters']:.3f}",
     )
     record = {"bench": "bench_muon", "device": device.type, "machine": where, "config": vars(args)}
     print_report([table, owned] if rows else [owned], record | {"results": rows, "ratios": ratios, "plan": layout})

@@ -193,6 +193,13 @@ class ShardedOptimizer(BoundFront, torch.optim.Optimizer):
         """One fused, sharded update from the gradients (and the shards a compiled backward
         made); returns `closure()`'s loss."""
         self._snapshot.check()
+        if getattr(self, "found_inf", None) is not None:  # torch.amp.GradScaler drives it (see below)
+            raise UnsupportedError(
+                f"torch.amp.GradScaler with gf.shard_optimizer at {self.world_size} ranks is not supported: each rank "
+                "finds overflows in its own gradients, before the reduction, so one rank would skip a step the others "
+                "take (and wait for it in the step's collectives). Train in bfloat16 (torch.autocast(dtype="
+                "torch.bfloat16) needs no loss scaling), or at one rank"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -211,6 +218,14 @@ class ShardedOptimizer(BoundFront, torch.optim.Optimizer):
         # the wrapped optimizer has stepped: its LR schedulers check this flag, which Optimizer does not declare
         self.optimizer._opt_called = True  # type: ignore[union-attr]
         return loss
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Read by torch.amp.GradScaler.step: when true it calls step() on every rank, with
+        `found_inf` set, instead of skipping step() on a rank whose own gradients overflowed
+        (which left the other ranks waiting in the step's collectives). At several ranks, so that
+        every rank refuses it alike; at one rank GradScaler unscales and skips as for any optimizer."""
+        return self.world_size > 1
 
     def add_param_group(self, param_group: dict) -> None:
         if "_bound" in self.__dict__:  # torch.optim's __init__ adds the groups it was given (before _bound)

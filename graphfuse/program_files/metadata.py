@@ -148,9 +148,11 @@ def _group(g, i: int) -> GroupSpec:
     if g["kind"] not in RULES or not (isinstance(g["params"], list) and all(isinstance(p, str) for p in g["params"])):
         raise Malformed(f"optim.groups[{i}]: kind must be one of {', '.join(RULES)} and params a list of names")
     for name, value in g.items():
-        expected = type(fields[name].default)  # bool or float; kind and params have none
-        if expected is bool and type(value) is not bool or expected is float and type(value) not in (int, float):
-            raise Malformed(f"optim.groups[{i}].{name} must be a {expected.__name__}, got {short(value)}")
+        expected = type(fields[name].default)  # bool or float (None: a float or null); kind and params have none
+        number = type(value) in (int, float) or expected is type(None) and value is None
+        if expected is bool and type(value) is not bool or expected in (float, type(None)) and not number:
+            what = "float or null" if expected is type(None) else expected.__name__
+            raise Malformed(f"optim.groups[{i}].{name} must be a {what}, got {short(value)}")
     return GroupSpec(**{**g, "params": tuple(g["params"])})
 
 

@@ -1,6 +1,6 @@
 """Start real process groups on one host (Gloo on CPU, NCCL with one GPU per rank): for the
 demo, the benchmarks and the multi-rank tests. On Linux the ranks fork from a server that imported
-torch once (see `_context`), elsewhere they are spawned. Ranks meet through a file store (no port to
+torch and graphfuse once (see `_context`), elsewhere they are spawned. Ranks meet through a file store (no port to
 race for), a failure is reported from the rank that caused it, not a peer that lost it, and the
 ranks die with the launcher (Linux), however it is killed."""
 

@@ -261,3 +261,35 @@ def test_a_saved_program_of_a_whole_update_and_adamw_runs_again_from_its_file(tm
     for i in SAVED:
         assert torch.equal(dm(batch(0, i)), loaded(batch(0, i)))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+
+
+def test_a_record_whose_state_shapes_do_not_fit_its_layout_is_refused(tmp_path):
+    """graphfuse.json's state_shapes (Adafactor's factors) are checked against the layout like
+    the rest of the record: a shard or a parameter it does not hold, a negative size."""
+    from graphfuse.checkpoint import record
+    from graphfuse.errors import CheckpointError
+
+    _, _, dm = compiled(0, "Adafactor")
+    gf.save(dm, tmp_path / "ckpt")
+    d = json.loads((tmp_path / "ckpt" / "graphfuse.json").read_text())
+    d.pop("crc32")
+    shapes = d["state_shapes"]
+    # the Adafactor bucket (the matrices and two biases): each factor in its shape, the biases' moments
+    assert shapes == {
+        "bucket1.row_var": {"c.weight": [4, 1], "b.weight": [16, 1], "a.weight": [16, 1]},
+        "bucket1.col_var": {"c.weight": [1, 16], "b.weight": [1, 16], "a.weight": [1, 8]},
+        "bucket1.variance": {"b.bias": [16], "a.bias": [16]},
+    }
+    name = next(iter(shapes))
+    for edit, why in (
+        (lambda s: s.__setitem__("bucket9.row_var", s[name]), "names 'bucket9.row_var'"),
+        (lambda s: s[name].__setitem__("nowhere.weight", [4, 1]), f"names {name!r}"),
+        (lambda s: s[name].__setitem__(next(iter(s[name])), [-4, 1]), "must be"),
+    ):
+        bad = json.loads(json.dumps(d))
+        edit(bad["state_shapes"])
+        with pytest.raises(CheckpointError, match=why):
+            record.from_dict(bad, "graphfuse.json")
+    assert record.from_dict(d, "graphfuse.json").shapes() == {
+        n: {f: tuple(s) for f, s in m.items()} for n, m in shapes.items()
+    }

@@ -239,3 +239,47 @@ def test_eager_transformers_llama_with_shard_optimizer_is_bitwise_ddp_adamw():
     for r in run_ranks(_eager_llama, 2):
         assert r["bitwise"] and r["losses_equal"], r
         assert r["buckets"] > 1 and r["learned"], r
+
+
+def _scaled(rank: int, world: int) -> dict:
+    """torch.amp.GradScaler driving gf.shard_optimizer: at one rank as for a plain AdamW (the first
+    scale, 2**127, overflows: that step is skipped and the scale backs off); at several ranks
+    refused on every rank at the first scaler.step(), where a rank whose own gradients overflowed
+    used to skip a step its peers took and leave them waiting."""
+    eager, model = model_(), model_()
+    plain, opt = adamw(eager.parameters()), sharded(model)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=2) for _ in range(2)]
+    out = {"steps": [], "refused": ""}
+    for i, (x, y) in enumerate(batches(rank, 4)):
+        b = (x, y * 1e3 if i == 0 else y)  # gradients near 1e3: times 2**127, they overflow float32
+        for m, o, scaler in ((eager, plain, scalers[0]), (model, opt, scalers[1])):
+            o.zero_grad()
+            scaler.scale(loss_of(m, b)).backward()
+            try:
+                scaler.step(o)
+            except gf.UnsupportedError as e:
+                out["refused"] = str(e)
+                return out
+            scaler.update()
+        out["steps"].append(
+            (
+                scalers[0].get_scale(),
+                scalers[1].get_scale(),
+                all(torch.equal(p, q) for p, q in zip(eager.parameters(), model.parameters())),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_grad_scaler_works_at_one_rank_and_is_refused_on_every_rank_at_several(world):
+    results = [_scaled(0, 1)] if world == 1 else run_ranks(_scaled, world)
+    if world == 1:
+        (r,) = results
+        assert not r["refused"] and all(same for *_, same in r["steps"]), r
+        scales = [a for a, b, _ in r["steps"]]
+        assert scales == [b for _, b, _ in r["steps"]] and scales[0] == 2.0**126  # the overflow backed off
+        return
+    for r in results:
+        assert r["refused"].startswith(f"torch.amp.GradScaler with gf.shard_optimizer at {world} ranks"), r
+        assert "Train in bfloat16" in r["refused"]
