@@ -111,10 +111,13 @@ def release(final: Path, save_id: str) -> None:
         pass
 
 
-def check_unlocked(final: Path, wait: float = 10.0) -> None:
-    """Wait up to `wait` seconds for a live save holding the checkpoint to finish, then
-    refuse to load (a save that just ended on another rank may not have released it yet)."""
-    deadline = time.monotonic() + wait
+LOCK_WAIT_S = 10.0  # how long a load waits for a live save's lock (read at each call; a test may lower it)
+
+
+def check_unlocked(final: Path, wait: float | None = None) -> None:
+    """Wait up to `wait` seconds (LOCK_WAIT_S) for a live save holding the checkpoint to finish,
+    then refuse to load (a save that just ended on another rank may not have released it yet)."""
+    deadline = time.monotonic() + (LOCK_WAIT_S if wait is None else wait)
     while (holder := _holder(lock_path(final))) is not None:
         if time.monotonic() > deadline:
             raise _held_error(lock_path(final), holder, "load it")

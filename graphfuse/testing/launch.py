@@ -221,8 +221,10 @@ def run_ranks(
         _collect(procs, queue, timeout, outcomes)
     finally:
         done = len(outcomes) == world_size and all(o.ok for o in outcomes.values())
-        for p in procs:
-            p.join(timeout=30 if done else 5)  # after a failure, peers may hang in a collective
+        for r, p in enumerate(procs):
+            # A rank that never reported had its timeout (or the grace period after a failure): it
+            # hangs. One that reported exits now; after a failure, peers may hang in a collective.
+            p.join(timeout=0 if r not in outcomes else 30 if done else 5)
             if p.is_alive():
                 p.kill()
                 p.join()

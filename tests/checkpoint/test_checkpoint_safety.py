@@ -257,7 +257,10 @@ def test_files_and_directories_are_flushed_before_the_renames_that_publish(tmp_p
 
 
 # ---- the lock -----------------------------------------------------------------------------------
-def test_a_live_savers_lock_refuses_a_second_saver_and_a_loader(saved, tmp_path):
+def test_a_live_savers_lock_refuses_a_second_saver_and_a_loader(saved, tmp_path, monkeypatch):
+    from graphfuse.checkpoint import directory
+
+    monkeypatch.setattr(directory, "LOCK_WAIT_S", 1.0)  # a loader waits this long for the lock (10 s by default)
     path = copy_of(saved["balanced"], tmp_path)
     lock = tmp_path / "ckpt.lock"
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "save_id": "x"}))
