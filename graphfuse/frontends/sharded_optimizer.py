@@ -194,6 +194,9 @@ class ShardedOptimizer(BoundFront, torch.optim.Optimizer):
         made); returns `closure()`'s loss."""
         self._snapshot.check()
         if getattr(self, "found_inf", None) is not None:  # torch.amp.GradScaler drives it (see below)
+            # GradScaler deletes these after a step that returns; gone here too, a later plain step() runs
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
             raise UnsupportedError(
                 f"torch.amp.GradScaler with gf.shard_optimizer at {self.world_size} ranks is not supported: each rank "
                 "finds overflows in its own gradients, before the reduction, so one rank would skip a step the others "
