@@ -159,7 +159,7 @@ def kernels(step, batches: list, top: int = 15) -> list:
 
 def plan(cfg: GPTConfig, world: int, batch: int, updated_whole: str = "muon") -> dict:
     """The layout at `world` ranks (planning needs no group): per bucket laid out whole and rank,
-    the owned parameters' update cost (Muon: Newton-Schulz; Adafactor: elements); busiest / mean;
+    the owned parameters' update cost (tracing.whole_cost: FLOPs counted plus elements); busiest / mean;
     padding over all buckets' bytes, and the buckets' elements over the parameters'.
     `updated_whole` (PLANS): Muon on the block matrices, Adafactor on them, or on every parameter."""
     torch.manual_seed(0)

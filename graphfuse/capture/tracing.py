@@ -18,11 +18,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphfuse import optim as gopt
 from graphfuse.ir import signature as sig
-from graphfuse.ir.ownership import newton_schulz_cost
 from graphfuse.ir.program import TensorMeta
 
 log = logging.getLogger("graphfuse")
@@ -119,11 +119,20 @@ def reads_whole(spec: gopt.GroupSpec) -> bool:
     return False
 
 
+@functools.cache
 def whole_cost(spec: gopt.GroupSpec, shape: tuple[int, ...]) -> int:
-    """What the owners of parameters updated whole balance (graphfuse.ir.ownership.assign): the
-    multiply-adds of one Newton-Schulz iteration for Muon (m·n·min(m, n)), the elements for an
-    update linear in them (Adafactor's norms and its one outer product of the factors)."""
-    return newton_schulz_cost(shape) if spec.kind in gopt.BATCHED else math.prod(shape)
+    """What the owners of parameters updated whole balance (graphfuse.ir.ownership.assign),
+    decided from the group's update run on fake tensors of `shape`, not from its kind: the
+    floating-point operations of its matrix products as torch.utils.flop_counter counts them
+    (Muon's Newton-Schulz iterations, Adafactor's outer product of its factors) plus one per
+    element (the per-element work every update does)."""
+    states = spec.state_shapes(shape)
+    with FakeTensorMode():
+        tensors = [torch.empty(shape), torch.empty(shape), *(torch.empty(s) for s in states.values())]
+        scalars = [scalar_example(s) for s in spec.scalar_names]
+        with FlopCounterMode(display=False) as counter:
+            update_function(spec, tuple(states))(*tensors, *scalars)
+    return counter.get_total_flops() + math.prod(shape)
 
 
 def module_of_error(error: BaseException, model: torch.nn.Module) -> str:

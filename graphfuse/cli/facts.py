@@ -63,8 +63,8 @@ def bucket_facts(layout: BucketLayout) -> list[dict]:
 
 def ownership_facts(program: Program) -> list[dict]:
     """Per bucket whose update reads its parameters whole (Muon's, Adafactor's), per rank: the
-    parameters it owns, their update cost (graphfuse.capture.tracing.whole_cost: m·n·min(m, n)
-    per Newton-Schulz step for Muon, elements for Adafactor) and its shard's padding."""
+    parameters it owns, their update cost (graphfuse.capture.tracing.whole_cost: the update's
+    counted FLOPs plus its elements) and its shard's padding."""
     out = []
     for b in program.bucket_layout.buckets:
         if not reads_whole(program.optim.groups[b.group]):

@@ -67,15 +67,3 @@ def place(sizes: list[int], costs: list[int], world_size: int, align: int) -> Pl
     for (at, i), end in zip(starts, ends):
         padded[i] = end - at
     return Placement(tuple(owners), tuple(offsets), tuple(padded), world_size * shard)
-
-
-def newton_schulz_cost(shape: tuple[int, ...]) -> int:
-    """The multiply-adds of one Newton-Schulz iteration on a matrix of `shape`, up to a constant
-    (m·n·min(m, n)); a tensor that is not a matrix counts its elements."""
-    if len(shape) == 2:
-        m, n = shape
-        return m * n * min(m, n)
-    out = 1
-    for d in shape:
-        out *= d
-    return out

@@ -157,6 +157,35 @@ def test_whole_or_elementwise_is_decided_from_the_traced_update():
             RULES.pop(kind, None)
 
 
+def test_the_cost_owners_balance_is_counted_from_the_traced_update():
+    """tracing.whole_cost runs the update on fake tensors: its matrix products' FLOPs plus one per
+    element. Muon: per Newton-Schulz step 4m²n + 2m³ (m <= n, either orientation), so ns_steps
+    changes it; Adafactor: the outer product of its factors, 2mn; an update of one's own is counted
+    from its own ops, with nothing looked up by kind."""
+    from graphfuse.capture.tracing import whole_cost
+    from graphfuse.optim import RULES, GroupSpec, Rule
+
+    def muon(steps):
+        return GroupSpec(kind="muon", params=(), momentum=0.95, nesterov=True, ns_steps=steps, eps=1e-7)
+
+    ns = 4 * 3 * 3 * 5 + 2 * 3**3
+    assert whole_cost(muon(5), (3, 5)) == whole_cost(muon(5), (5, 3)) == 5 * ns + 15
+    assert whole_cost(muon(2), (3, 5)) == 2 * ns + 15
+    assert whole_cost(GroupSpec(kind="adafactor", params=(), d=1.0), (4, 6)) == 2 * 24 + 24
+    RULES["own_cube"] = Rule(
+        "own_cube",
+        (),
+        lambda s: (),
+        lambda s: (),
+        lambda s, lr, wd, step, c: {},
+        lambda spec, p, g, st, sc: (p - g @ g.mT @ g, {}),
+    )
+    try:
+        assert whole_cost(GroupSpec(kind="own_cube", params=()), (2, 7)) == 2 * 2 * 7 * 2 + 2 * 2 * 2 * 7 + 14
+    finally:
+        RULES.pop("own_cube")
+
+
 def test_inspect_reports_each_ranks_owned_matrices_cost_and_padding():
     from rich.console import Console
 
@@ -165,17 +194,20 @@ def test_inspect_reports_each_ranks_owned_matrices_cost_and_padding():
 
     program = _program(2, 0)
     facts = ownership_facts(program)
-    # b (16x16, cost 16·16·16) alone on rank 0; c (4x16: 4·16·4) and a (16x8: 16·8·8) on rank 1, in gradient order
+    # Cost: 5 Newton-Schulz steps of 4m²n + 2m³ FLOPs (m <= n) plus the elements. b (16x16) alone
+    # on rank 0; c (4x16) and a (16x8) on rank 1, in gradient order.
+    ns = {"b": 5 * (4 * 16 * 16 * 16 + 2 * 16**3) + 256, "c": 5 * (4 * 4 * 4 * 16 + 2 * 4**3) + 64}
+    ns["a"] = 5 * (4 * 8 * 8 * 16 + 2 * 8**3) + 128
     assert [(o["rank"], o["params"], o["cost"]) for o in facts] == [
-        (0, ["b.weight"], 4096),
-        (1, ["c.weight", "a.weight"], 256 + 1024),
+        (0, ["b.weight"], ns["b"]),
+        (1, ["c.weight", "a.weight"], ns["c"] + ns["a"]),
     ]
     bucket = program.layout.buckets[0]
     assert bucket.shard_size == 256 and [o["padding"] for o in facts] == [0, 256 - 128 - 64]
     console = Console(record=True, width=200)
     console.print(ownership_table({"ownership": facts}))
     text = console.export_text()
-    assert "c.weight, a.weight" in text and "1,280" in text
+    assert "c.weight, a.weight" in text and f"{ns['c'] + ns['a']:,}" in text
 
 
 def hidden_and_rest(model: nn.Module) -> list[torch.optim.Optimizer]:
