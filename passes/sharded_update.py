@@ -61,8 +61,9 @@ def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool
     `states` (name -> the layout of its shard, Program.state_layout; by default every state of
     the group, shaped like the bucket) says where each member's state lies: a state not shaped
     like its parameter (Adafactor's row and column factors) has a layout of its own.
-    `batched`: same-shape parameters are updated together, stacked (Muon's Newton-Schulz as
-    batched products, for CUDA; not bitwise with one at a time)."""
+    `batched`: parameters of one `gopt.stack_key` are updated together, stacked, a tall one
+    transposed where it joins its transposes (Muon's Newton-Schulz as batched products, for
+    CUDA; not bitwise with one at a time)."""
     slices = bucket.slices(rank)
     for s in slices:
         slot = bucket.slot(s.fqn)
@@ -75,8 +76,12 @@ def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool
     layouts = dict.fromkeys(spec.state_names, bucket) if states is None else states
     names = tuple(layouts)
     together: dict = {}
+    flipped = set()  # the fqns that join their stack transposed
     for s in slices:
-        together.setdefault(bucket.slot(s.fqn).shape if batched else s.fqn, []).append(s)
+        key = gopt.stack_key(spec, bucket.slot(s.fqn).shape) if batched else None
+        if key is not None and key[1]:
+            flipped.add(s.fqn)
+        together.setdefault(s.fqn if key is None else key[0], []).append(s)
 
     def fn(p, g, *rest):
         flats = dict(zip(names, rest[: len(names)]))
@@ -89,7 +94,8 @@ def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool
                 for s in members:
                     slot = layout.slot(s.fqn)
                     lo = slot.offset - layout.shard_range(rank)[0]
-                    vs.append(t[lo : lo + slot.numel].view(slot.shape))
+                    v = t[lo : lo + slot.numel].view(slot.shape)
+                    vs.append(v.mT if s.fqn in flipped else v)
                 return vs[0] if len(vs) == 1 else torch.stack(vs)
 
             mine = [n for n in names if members[0].fqn in layouts[n].fqns]
@@ -98,7 +104,8 @@ def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool
             )
             for i, s in enumerate(members):
                 outs = {"param": new_p, **{n: new[n] for n in mine}}
-                done[s.fqn] = {k: (o if len(members) == 1 else o[i]).reshape(-1) for k, o in outs.items()}
+                mine_out = {k: o if len(members) == 1 else o[i] for k, o in outs.items()}
+                done[s.fqn] = {k: (o.mT if s.fqn in flipped else o).reshape(-1) for k, o in mine_out.items()}
         out = [_assemble(p, bucket, rank, done, "param")]
         return out + [_assemble(flats[n], layouts[n], rank, done, n) for n in names]
 
@@ -151,7 +158,7 @@ def run(program: Program) -> Program:
             param = (
                 master_node if master else call(graph, aten.slice.Tensor, bucket_node, 0, lo, hi, phase=sig.OPTIMIZER)
             )
-            batched = bucket.device == "cuda" and spec.kind in gopt.BATCHED  # same-shape matrices together
+            batched = bucket.device == "cuda"  # matrices of one gopt.stack_key together
             if reads_whole(spec):
                 fn = whole_update_function(spec, bucket, rank, batched, states)
             else:  # every state shaped like its parameter: one update of the flat shard

@@ -5,7 +5,9 @@ torch.optim.Muon + fused AdamW, and the same with torch.compile(muon.step). Then
 `--plan-world` ranks, traced without a process group: each rank's Newton-Schulz work (the busiest
 against the mean) and the padding whole-matrix ownership adds, as a share of bucket bytes; with
 `--plan-optimizer adafactor` or `adafactor_all`, the plan of Adafactor on the block matrices or
-on every parameter instead of Muon.
+on every parameter instead of Muon. `graphfuse_muon_shape_stacks` is graphfuse's Muon with the
+stacks grouped by exact shape (tall matrices apart from their wide transposes, as before
+gopt.stack_key), for an A/B against `graphfuse_muon` in one run.
 
     python tools/bench_muon.py                      # CUDA: all methods, then the plan at 8 ranks
     python tools/bench_muon.py --plan-only          # any machine: the plan only
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from _bench import gpt2_small_args, machine, print_report, sync  # tools/_bench.py: what the benches share
 
 import graphfuse as gf
+import graphfuse.optim as gopt
 from graphfuse.cli.facts import ownership_facts
 from graphfuse.passes import run_pipeline
 from graphfuse.testing.models import GPT, GPTConfig, synthetic_tokens
@@ -34,6 +37,7 @@ METHODS = [
     "graphfuse_muon",
     "graphfuse_adamw_cudagraphs",
     "graphfuse_muon_cudagraphs",
+    "graphfuse_muon_shape_stacks",
     "torch_compile_adamw",
     "torch_compile_muon",
     "torch_compile_muon_compiled",
@@ -75,15 +79,21 @@ def make_step(method: str, model: torch.nn.Module, example, device: torch.device
     """`(step(batch) -> loss, optimizer seconds of the last step or None)` for the method."""
     opts = optimizers(model, method, fused=device.type == "cuda")
     if method.startswith("graphfuse"):
-        dm = gf.compile(
-            model,
-            opts if len(opts) > 1 else opts[0],
-            loss_fn,
-            example,
-            strategy=gf.Strategy(
-                compile="inductor" if device.type == "cuda" else "eager", cuda_graphs=method.endswith("cudagraphs")
-            ),
-        )
+        stack_key = gopt.stack_key
+        if method.endswith("shape_stacks"):  # the earlier grouping, for an A/B: tall matrices apart from wide ones
+            gopt.stack_key = lambda spec, shape: None if spec.kind != "muon" else (tuple(shape), False)
+        try:
+            dm = gf.compile(
+                model,
+                opts if len(opts) > 1 else opts[0],
+                loss_fn,
+                example,
+                strategy=gf.Strategy(
+                    compile="inductor" if device.type == "cuda" else "eager", cuda_graphs=method.endswith("cudagraphs")
+                ),
+            )
+        finally:
+            gopt.stack_key = stack_key
         return dm, lambda: None
     closs = torch.compile(lambda b: loss_fn(model, b))  # the loss inside the compiled region: the peer's best case
     steps = [o.step for o in opts]

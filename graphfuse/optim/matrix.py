@@ -1,7 +1,7 @@
 """The updates that read a whole parameter (torch.optim.Muon's orthogonalisation, torch.optim.
 Adafactor's factored second moment and its norms), mirroring torch's `_single_tensor_*` code op
 for op; each runs on one whole parameter, never on a shard (or, on CUDA, Muon's on a stack of
-same-shape ones: `BATCHED`)."""
+same-shape ones: `stack_key`)."""
 
 from __future__ import annotations
 
@@ -133,5 +133,18 @@ def adafactor(spec: GroupSpec, param: T, grad: T, states: dict, scalars: dict) -
     return torch.addcmul(param, update, torch.div(alpha, denom), value=-1), new
 
 
-# Kinds whose update also takes a (k, m, n) stack of same-shape matrices (batched on CUDA).
-BATCHED = ("muon",)
+def stack_key(spec: GroupSpec, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bool] | None:
+    """How a parameter of `shape` joins a (k, m, n) stack that one call of its update runs on
+    (batched products, on CUDA): the shape of the stack's matrices and whether it joins
+    transposed; None where the update takes no stacks (every kind but Muon). A tall matrix
+    joins the stack of its transpose's shape where torch's lr adjustment gives both shapes the
+    same factor (`adjust_lr_fn="match_rms_adamw"`; the default favours tall ones): Newton-Schulz
+    orthogonalises a tall matrix as the transpose of its transpose's, as torch does, and the
+    rest of Muon's update is per element."""
+    if spec.kind != "muon":
+        return None
+    if len(shape) == 2 and shape[0] > shape[1]:
+        wide = (shape[1], shape[0])
+        if adjusted_ratio(spec, shape) == adjusted_ratio(spec, wide):
+            return wide, True
+    return tuple(shape), False
