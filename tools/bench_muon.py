@@ -2,8 +2,9 @@
 rest, against graphfuse's own AdamW step and torch's three rows in one run (GPT-2 small, bf16
 autocast, batch 8 x 1024): torch.compile(model + loss) with fused AdamW, the same with
 torch.optim.Muon + fused AdamW, and the same with torch.compile(muon.step). Then the plan at
-`--plan-world` ranks, traced without a process group: each rank's Newton-Schulz work (the busiest
-against the mean) and the padding whole-matrix ownership adds, as a share of bucket bytes; with
+`--plan-world` ranks, traced without a process group: each rank's update work (the
+FLOPs flop_counter counts in its traced update, plus its elements; the busiest against the mean)
+and the padding whole-matrix ownership adds, as a share of bucket bytes; with
 `--plan-optimizer adafactor` or `adafactor_all`, the plan of Adafactor on the block matrices or
 on every parameter instead of Muon. `graphfuse_muon_shape_stacks` is graphfuse's Muon with the
 stacks grouped by exact shape (tall matrices apart from their wide transposes, as before
