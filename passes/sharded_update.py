@@ -61,9 +61,8 @@ def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool
     `states` (name -> the layout of its shard, Program.state_layout; by default every state of
     the group, shaped like the bucket) says where each member's state lies: a state not shaped
     like its parameter (Adafactor's row and column factors) has a layout of its own.
-    `batched`: parameters of one `gopt.stack_key` are updated together, stacked, a tall one
-    transposed where it joins its transposes (Muon's Newton-Schulz as batched products, for
-    CUDA; not bitwise with one at a time)."""
+    `batched` (CUDA): an update that takes stacks (`gopt.takes_stacks`: Muon's) runs once per
+    stack of same-shape matrices instead (`stacked_update_function`)."""
     slices = bucket.slices(rank)
     for s in slices:
         slot = bucket.slot(s.fqn)
@@ -73,57 +72,94 @@ def whole_update_function(spec: gopt.GroupSpec, bucket, rank: int, batched: bool
                 f"{s.fqn} (of {slot.numel}), but its {spec.kind} update reads the parameter whole; plan the layout "
                 "with graphfuse.ir.layout.plan_buckets(whole=...)"
             )
+    if batched and gopt.takes_stacks(spec):
+        return stacked_update_function(spec, bucket, rank)
     layouts = dict.fromkeys(spec.state_names, bucket) if states is None else states
     names = tuple(layouts)
-    together: dict = {}
-    flipped = set()  # the fqns that join their stack transposed
-    for s in slices:
-        key = gopt.stack_key(spec, bucket.slot(s.fqn).shape) if batched else None
-        if key is not None and key[1]:
-            flipped.add(s.fqn)
-        together.setdefault(s.fqn if key is None else key[0], []).append(s)
 
     def fn(p, g, *rest):
         flats = dict(zip(names, rest[: len(names)]))
         scalars = dict(zip(spec.scalar_names, rest[len(names) :]))
-        done: dict[str, dict[str, torch.Tensor]] = {}  # fqn -> {"param" or state: new flat values}
-        for members in together.values():
+        done: dict[str, list[tuple[int, int, torch.Tensor]]] = {"param": [], **{n: [] for n in names}}
+        for s in slices:
 
-            def views(t, layout, members=members):
-                vs = []
-                for s in members:
-                    slot = layout.slot(s.fqn)
-                    lo = slot.offset - layout.shard_range(rank)[0]
-                    v = t[lo : lo + slot.numel].view(slot.shape)
-                    vs.append(v.mT if s.fqn in flipped else v)
-                return vs[0] if len(vs) == 1 else torch.stack(vs)
+            def view(t, layout, s=s):
+                slot = layout.slot(s.fqn)
+                lo = slot.offset - layout.shard_range(rank)[0]
+                return lo, lo + slot.numel, t[lo : lo + slot.numel].view(slot.shape)
 
-            mine = [n for n in names if members[0].fqn in layouts[n].fqns]
-            new_p, new = gopt.update(
-                spec, views(p, bucket), views(g, bucket), {n: views(flats[n], layouts[n]) for n in mine}, scalars
-            )
-            for i, s in enumerate(members):
-                outs = {"param": new_p, **{n: new[n] for n in mine}}
-                mine_out = {k: o if len(members) == 1 else o[i] for k, o in outs.items()}
-                done[s.fqn] = {k: (o.mT if s.fqn in flipped else o).reshape(-1) for k, o in mine_out.items()}
-        out = [_assemble(p, bucket, rank, done, "param")]
-        return out + [_assemble(flats[n], layouts[n], rank, done, n) for n in names]
+            mine = [n for n in names if s.fqn in layouts[n].fqns]
+            at = {n: view(flats[n], layouts[n]) for n in mine}
+            new_p, new = gopt.update(spec, view(p, bucket)[2], view(g, bucket)[2], {n: at[n][2] for n in mine}, scalars)
+            done["param"].append((s.shard_start, s.shard_end, new_p.reshape(-1)))
+            for n in mine:
+                done[n].append((at[n][0], at[n][1], new[n].reshape(-1)))
+        return [_cover(p, done["param"])] + [_cover(flats[n], done[n]) for n in names]
 
     return fn
 
 
-def _assemble(flat: torch.Tensor, layout, rank: int, done: dict, what: str) -> torch.Tensor:
-    """Rank `rank`'s new shard of `layout`: each member's new values (`done[fqn][what]`) where
-    it lies, padding and other ranks' runs passed through from the old shard `flat`."""
-    pieces, at = [], 0
-    for a, b, fqn in [*((s.shard_start, s.shard_end, s.fqn) for s in layout.slices(rank)), (None, None, None)]:
-        a = layout.shard_size if a is None else a
+def stacked_update_function(spec: gopt.GroupSpec, bucket, rank: int):
+    """Muon's update of rank `rank`'s shard as CUDA runs it: Newton-Schulz once per stack, a
+    (k, m, n) view of the shard holding k same-shape matrices that lie next to each other
+    (plan_buckets keeps a rank's same-shape members together), as batched products (not bitwise
+    with one matrix at a time: other products and roundings, graphfuse/optim/matrix.py). The
+    momentum and the new parameter are each one elementwise expression over the whole shard,
+    reading the old shard at the element it writes, so inductor writes them in place, in one
+    kernel each (a cat of new pieces would be copied); `fn(param, grad, momentum, *scalars)`."""
+    if spec.state_names != ("momentum_buffer",):
+        raise GraphfuseError(f"stacked_update_function: a {spec.kind} update has states {spec.state_names}")
+    runs: list[list] = []  # [start, end, shape, k]: same-shape members with no gap between them; shape None: a gap
+    for s in bucket.slices(rank):
+        shape = bucket.slot(s.fqn).shape
+        if len(shape) != 2:
+            raise GraphfuseError(f"{s.fqn}: Muon updates 2-D parameters, got one of shape {shape}")
+        if runs and runs[-1][2] == shape and runs[-1][1] == s.shard_start:
+            runs[-1][1], runs[-1][3] = s.shard_end, runs[-1][3] + 1
+            continue
+        if s.shard_start > (runs[-1][1] if runs else 0):
+            runs.append([runs[-1][1] if runs else 0, s.shard_start, None, 0])
+        runs.append([s.shard_start, s.shard_end, shape, 1])
+    if not runs or runs[-1][1] < bucket.shard_size:
+        runs.append([runs[-1][1] if runs else 0, bucket.shard_size, None, 0])
+
+    def fn(p, g, m, *rest):
+        scalars = dict(zip(spec.scalar_names, rest))
+
+        def flat(member, gap):  # one flat tensor over the shard from a piece per run
+            return torch.cat([member(a, b, shape, k) if shape else gap(p[a:b]) for a, b, shape, k in runs])
+
+        # Constants are made *_like the inputs: a factory would fix the device at trace time.
+        mine = flat(
+            lambda a, b, *_: torch.ones_like(p[a:b], dtype=torch.bool), lambda t: torch.zeros_like(t, dtype=torch.bool)
+        )
+        new_m = torch.where(mine, gopt.muon_momentum(spec, m, g), m)
+
+        def update(a, b, shape, k):
+            return gopt.muon_orthogonal(spec, g[a:b].view(k, *shape), new_m[a:b].view(k, *shape)).reshape(-1)
+
+        def lr(a, b, shape, k):
+            return torch.ones_like(p[a:b]) * gopt.muon_lr(spec, scalars, shape)  # on p's device: lr is a host scalar
+
+        bf16_zeros = lambda t: torch.zeros_like(t, dtype=torch.bfloat16)  # noqa: E731
+        new_p = gopt.muon_apply(p, flat(update, bf16_zeros), flat(lr, torch.zeros_like), scalars)
+        return [torch.where(mine, new_p, p), new_m]
+
+    return fn
+
+
+def _cover(flat: torch.Tensor, pieces: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """`flat` with each piece `(start, end, values)` (in order, not overlapping) written over
+    its run, the rest (padding, what the pieces leave) passed through: one cat (a new tensor,
+    never a view of `flat`)."""
+    out, at = [], 0
+    for a, b, values in [*pieces, (flat.numel(), flat.numel(), None)]:
         if at < a:
-            pieces.append(flat[at:a])
-        if fqn is not None:
-            pieces.append(done[fqn][what])
-            at = b
-    return torch.cat(pieces)
+            out.append(flat[at:a])
+        if values is not None:
+            out.append(values)
+        at = b
+    return torch.cat(out)
 
 
 def run(program: Program) -> Program:
@@ -158,7 +194,7 @@ def run(program: Program) -> Program:
             param = (
                 master_node if master else call(graph, aten.slice.Tensor, bucket_node, 0, lo, hi, phase=sig.OPTIMIZER)
             )
-            batched = bucket.device == "cuda"  # matrices of one gopt.stack_key together
+            batched = bucket.device == "cuda"  # same-shape matrices together, stacked
             if reads_whole(spec):
                 fn = whole_update_function(spec, bucket, rank, batched, states)
             else:  # every state shaped like its parameter: one update of the flat shard

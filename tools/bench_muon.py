@@ -6,9 +6,8 @@ torch.optim.Muon + fused AdamW, and the same with torch.compile(muon.step). Then
 FLOPs flop_counter counts in its traced update, plus its elements; the busiest against the mean)
 and the padding whole-matrix ownership adds, as a share of bucket bytes; with
 `--plan-optimizer adafactor` or `adafactor_all`, the plan of Adafactor on the block matrices or
-on every parameter instead of Muon. `graphfuse_muon_shape_stacks` is graphfuse's Muon with the
-stacks grouped by exact shape (tall matrices apart from their wide transposes, as before
-gopt.stack_key), for an A/B against `graphfuse_muon` in one run.
+on every parameter instead of Muon. Each method's row is also printed as a JSON line as soon as
+it is done (`{"partial": "bench_muon", ...}`), so that a run cut off keeps what it measured.
 
     python tools/bench_muon.py                      # CUDA: all methods, then the plan at 8 ranks
     python tools/bench_muon.py --plan-only          # any machine: the plan only
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
 
@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from _bench import gpt2_small_args, machine, print_report, sync  # tools/_bench.py: what the benches share
 
 import graphfuse as gf
-import graphfuse.optim as gopt
 from graphfuse.cli.facts import ownership_facts
 from graphfuse.passes import run_pipeline
 from graphfuse.testing.models import GPT, GPTConfig, synthetic_tokens
@@ -38,7 +37,6 @@ METHODS = [
     "graphfuse_muon",
     "graphfuse_adamw_cudagraphs",
     "graphfuse_muon_cudagraphs",
-    "graphfuse_muon_shape_stacks",
     "torch_compile_adamw",
     "torch_compile_muon",
     "torch_compile_muon_compiled",
@@ -80,21 +78,15 @@ def make_step(method: str, model: torch.nn.Module, example, device: torch.device
     """`(step(batch) -> loss, optimizer seconds of the last step or None)` for the method."""
     opts = optimizers(model, method, fused=device.type == "cuda")
     if method.startswith("graphfuse"):
-        stack_key = gopt.stack_key
-        if method.endswith("shape_stacks"):  # the earlier grouping, for an A/B: tall matrices apart from wide ones
-            gopt.stack_key = lambda spec, shape: None if spec.kind != "muon" else (tuple(shape), False)
-        try:
-            dm = gf.compile(
-                model,
-                opts if len(opts) > 1 else opts[0],
-                loss_fn,
-                example,
-                strategy=gf.Strategy(
-                    compile="inductor" if device.type == "cuda" else "eager", cuda_graphs=method.endswith("cudagraphs")
-                ),
-            )
-        finally:
-            gopt.stack_key = stack_key
+        dm = gf.compile(
+            model,
+            opts if len(opts) > 1 else opts[0],
+            loss_fn,
+            example,
+            strategy=gf.Strategy(
+                compile="inductor" if device.type == "cuda" else "eager", cuda_graphs=method.endswith("cudagraphs")
+            ),
+        )
         return dm, lambda: None
     closs = torch.compile(lambda b: loss_fn(model, b))  # the loss inside the compiled region: the peer's best case
     steps = [o.step for o in opts]
@@ -223,6 +215,8 @@ def main() -> None:
     rows = {}
     for method in [] if args.plan_only else args.methods:
         rows[method] = time_method(method, cfg, args, device)
+        # each row as it is done, so that a run cut off (a device's time limit) keeps the rows before
+        print(json.dumps({"partial": "bench_muon", "method": method, "result": rows[method]}), flush=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -247,10 +241,15 @@ def main() -> None:
     ratios = {}
     if {"graphfuse_muon", "graphfuse_adamw"} <= rows.keys():
         ratios["muon_over_adamw_graphfuse"] = rows["graphfuse_muon"]["step_ms"] / rows["graphfuse_adamw"]["step_ms"]
-    if {"graphfuse_muon", "torch_compile_muon_compiled"} <= rows.keys():
-        ratios["speedup_vs_torch_compile_muon_compiled"] = (
-            rows["torch_compile_muon_compiled"]["step_ms"] / rows["graphfuse_muon"]["step_ms"]
+    if {"graphfuse_muon_cudagraphs", "graphfuse_adamw_cudagraphs"} <= rows.keys():
+        ratios["muon_over_adamw_graphfuse_cudagraphs"] = (
+            rows["graphfuse_muon_cudagraphs"]["step_ms"] / rows["graphfuse_adamw_cudagraphs"]["step_ms"]
         )
+    for ours in ("graphfuse_muon", "graphfuse_muon_cudagraphs"):
+        if {ours, "torch_compile_muon_compiled"} <= rows.keys():
+            ratios[f"speedup_vs_torch_compile_muon_compiled{ours.removeprefix('graphfuse_muon')}"] = (
+                rows["torch_compile_muon_compiled"]["step_ms"] / rows[ours]["step_ms"]
+            )
     owned = Table(
         title=f"Whole-matrix ownership at {layout['world_size']} ranks, {args.plan_optimizer} (traced, no group)"
     )

@@ -233,10 +233,12 @@ def _bucket(
     index: int, key: tuple, members: list[tuple[ParamInfo, int]], world_size: int, align: int, whole: Mapping[str, int]
 ) -> Bucket:
     """One bucket of `members` (param, aligned length): in the given order, or, for parameters
-    updated whole, each inside one rank's shard (graphfuse.ir.ownership.place)."""
+    updated whole, each inside one rank's shard (graphfuse.ir.ownership.place), those of one
+    shape next to each other in it."""
     dtype, device, group, owned = key
     if owned:
-        at = place([n for _, n in members], [whole[p.fqn] for p, _ in members], world_size, align)
+        sizes, costs = [n for _, n in members], [whole[p.fqn] for p, _ in members]
+        at = place(sizes, costs, world_size, align, kinds=[p.shape for p, _ in members])
         slots = [Slot(p.fqn, p.shape, off, p.numel, pad) for (p, _), off, pad in zip(members, at.offsets, at.padded)]
         return Bucket(index, dtype, device, group, tuple(sorted(slots, key=lambda s: s.offset)), at.size, world_size)
     slots, offset = [], 0
@@ -275,7 +277,8 @@ def plan_buckets(
 
     `whole` (FQN -> the cost of its update) names the parameters whose update reads them whole:
     they get buckets of their own, each parameter lying wholly in one rank's shard
-    (graphfuse.ir.ownership.place: owners balance the cost, padding is bounded).
+    (graphfuse.ir.ownership.place: owners balance the cost, padding is bounded, a rank's
+    same-shape parameters lie next to each other).
     """
     if world_size < 1:
         raise UnsupportedError(

@@ -3,6 +3,7 @@ update reads it whole (Muon's orthogonalisation) one owning rank, so it never cr
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 
@@ -45,14 +46,22 @@ def assign(sizes: list[int], costs: list[int], world_size: int) -> list[int]:
     return owners
 
 
-def place(sizes: list[int], costs: list[int], world_size: int, align: int) -> Placement:
+def place(
+    sizes: list[int], costs: list[int], world_size: int, align: int, kinds: Sequence[Hashable] | None = None
+) -> Placement:
     """Lay out members of `sizes` elements (each a multiple of `align`, at least one) so that
     each lies wholly inside its owner's shard: rank r's members, in the order given, from the
-    start of shard r; every shard as long as the longest run, rounded up to `align`."""
+    start of shard r; every shard as long as the longest run, rounded up to `align`. With
+    `kinds` (one per member; plan_buckets gives the shape), a run keeps the members of one kind
+    next to each other, kinds in the order they first appear in it: same-shape matrices a rank
+    owns then form one (k, m, n) view of its shard, which CUDA's batched Newton-Schulz reads and
+    writes without copies (passes/sharded_update.py)."""
     if not sizes:
         raise ValueError("place() needs at least one member")
     owners = assign(sizes, costs, world_size)
     runs = [[i for i in range(len(sizes)) if owners[i] == r] for r in range(world_size)]
+    if kinds is not None:
+        runs = [_by_kind(run, kinds) for run in runs]
     shard = _round_up(max(sum(sizes[i] for i in run) for run in runs), align)
     offsets, padded = [0] * len(sizes), list(sizes)
     starts = []  # (offset, member) in bucket order
@@ -67,3 +76,11 @@ def place(sizes: list[int], costs: list[int], world_size: int, align: int) -> Pl
     for (at, i), end in zip(starts, ends):
         padded[i] = end - at
     return Placement(tuple(owners), tuple(offsets), tuple(padded), world_size * shard)
+
+
+def _by_kind(run: list[int], kinds: Sequence[Hashable]) -> list[int]:
+    """`run` with the members of one kind next to each other, kinds in order of first appearance."""
+    first: dict[Hashable, int] = {}
+    for at, i in enumerate(run):
+        first.setdefault(kinds[i], at)
+    return sorted(run, key=lambda i: first[kinds[i]])

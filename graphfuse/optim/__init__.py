@@ -6,7 +6,7 @@ update; the torch.optim class of each) <- describe (a user's optimizer, or sever
 Other packages import these names from here."""
 
 from graphfuse.optim.describe import NOT_ELEMENTWISE, SUPPORTED, check_group_unchanged, describe_optimizer, update
-from graphfuse.optim.matrix import stack_key
+from graphfuse.optim.matrix import muon_apply, muon_lr, muon_momentum, muon_orthogonal, takes_stacks
 from graphfuse.optim.rules import BOOL_SCALARS, CLASSES, Rule
 from graphfuse.optim.several import Optimizers, as_one
 from graphfuse.optim.sharded_state import ShardedState
@@ -28,6 +28,10 @@ __all__ = [
     "describe_optimizer",
     "torch_host_states",
     "as_one",
-    "stack_key",
+    "muon_apply",
+    "muon_lr",
+    "muon_momentum",
+    "muon_orthogonal",
+    "takes_stacks",
     "update",
 ]

@@ -1,7 +1,7 @@
 """The updates that read a whole parameter (torch.optim.Muon's orthogonalisation, torch.optim.
 Adafactor's factored second moment and its norms), mirroring torch's `_single_tensor_*` code op
 for op; each runs on one whole parameter, never on a shard (or, on CUDA, Muon's on a stack of
-same-shape ones: `stack_key`)."""
+same-shape ones: `takes_stacks`)."""
 
 from __future__ import annotations
 
@@ -49,17 +49,26 @@ def newton_schulz(grad: T, spec: GroupSpec) -> T:
 
 def _newton_schulz_batched(grads: T, spec: GroupSpec) -> T:
     """`newton_schulz` of each matrix of a (k, m, n) stack, with bmm-shaped products (what the
-    sharded update runs on CUDA for the same-shape matrices a rank owns): the same math, other
-    kernels, so not bitwise with the one-matrix form."""
+    sharded update runs on CUDA for the same-shape matrices a rank owns). The same math, written
+    as one product with x per step, x <- (a·I + b·G + c·G²)·x: it equals torch's a·x + (b·G +
+    c·G²)·x, and takes no biased products (aten copies a biased product's input before cuBLAS
+    runs; here only the small m x m factor is summed, in float32). Other kernels and roundings (G²
+    and the factor are rounded to bfloat16), so not bitwise with the one-matrix form. A tall stack's
+    last product is taken transposed, xᵀ·factorᵀ, so that it comes out in the tall shape."""
     x = grads.bfloat16()
     tall = grads.size(1) > grads.size(2)
     if tall:
         x = x.mT
     x = torch.div(x, torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=spec.eps))
-    for _ in range(spec.ns_steps):
+    for i in range(spec.ns_steps):
         gram = x @ x.mT
-        gram_update = torch.baddbmm(gram, gram, gram, beta=spec.ns_b, alpha=spec.ns_c)
-        x = torch.baddbmm(x, gram_update, x, beta=spec.ns_a)
+        factor = spec.ns_c * (gram @ gram).float() + spec.ns_b * gram.float()
+        # + a·I, made from the factor (a factory would fix the device at trace time)
+        factor = torch.diagonal_scatter(factor, factor.diagonal(dim1=-2, dim2=-1) + spec.ns_a, dim1=-2, dim2=-1)
+        factor = factor.bfloat16()
+        if tall and i == spec.ns_steps - 1:
+            return x.mT @ factor.mT
+        x = factor @ x
     return x.mT if tall else x
 
 
@@ -68,13 +77,32 @@ def muon(spec: GroupSpec, param: T, grad: T, states: dict, scalars: dict) -> tup
     Newton-Schulz, decoupled decay, the shape's lr."""
     if param.dim() not in (2, 3):
         raise ValueError(f"Muon updates 2-D parameters, got one of shape {tuple(param.shape)}")
-    buf = torch.lerp(states["momentum_buffer"], grad, 1 - spec.momentum)
+    buf = muon_momentum(spec, states["momentum_buffer"], grad)
+    update = muon_orthogonal(spec, grad, buf)
+    return muon_apply(param, update, muon_lr(spec, scalars, tuple(param.shape[-2:])), scalars), {"momentum_buffer": buf}
+
+
+def muon_momentum(spec: GroupSpec, buf: T, grad: T) -> T:
+    """Muon's new momentum buffer: per element, so it runs on any run of elements."""
+    return torch.lerp(buf, grad, 1 - spec.momentum)
+
+
+def muon_orthogonal(spec: GroupSpec, grad: T, buf: T) -> T:
+    """Muon's update direction of one matrix (or a stack) from its new momentum buffer `buf`:
+    Nesterov, then Newton-Schulz (bfloat16)."""
     update = torch.lerp(grad, buf, spec.momentum) if spec.nesterov else buf
-    update = newton_schulz(update, spec)
-    adjusted = torch.mul(scalars["lr"], adjusted_ratio(spec, tuple(param.shape[-2:])))
-    param = torch.mul(param, scalars["decay"])
-    # `param.add_(update, alpha=-adjusted_lr)`, written as in graphfuse.optim.updates._sub_lr.
-    return torch.addcmul(param, update, adjusted, value=-1), {"momentum_buffer": buf}
+    return newton_schulz(update, spec)
+
+
+def muon_lr(spec: GroupSpec, scalars: dict, shape: tuple[int, ...]) -> T:
+    """The lr of a matrix of `shape`, adjusted as torch's `adjust_lr_fn` says."""
+    return torch.mul(scalars["lr"], adjusted_ratio(spec, shape))
+
+
+def muon_apply(param: T, update: T, lr: T, scalars: dict) -> T:
+    """Decoupled decay, then `param.add_(update, alpha=-lr)` (written as in
+    graphfuse.optim.updates._sub_lr); `lr` is one value or one per element."""
+    return torch.addcmul(torch.mul(param, scalars["decay"]), update, lr, value=-1)
 
 
 # ---- Adafactor ------------------------------------------------------------------------------
@@ -133,18 +161,9 @@ def adafactor(spec: GroupSpec, param: T, grad: T, states: dict, scalars: dict) -
     return torch.addcmul(param, update, torch.div(alpha, denom), value=-1), new
 
 
-def stack_key(spec: GroupSpec, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bool] | None:
-    """How a parameter of `shape` joins a (k, m, n) stack that one call of its update runs on
-    (batched products, on CUDA): the shape of the stack's matrices and whether it joins
-    transposed; None where the update takes no stacks (every kind but Muon). A tall matrix
-    joins the stack of its transpose's shape where torch's lr adjustment gives both shapes the
-    same factor (`adjust_lr_fn="match_rms_adamw"`; the default favours tall ones): Newton-Schulz
-    orthogonalises a tall matrix as the transpose of its transpose's, as torch does, and the
-    rest of Muon's update is per element."""
-    if spec.kind != "muon":
-        return None
-    if len(shape) == 2 and shape[0] > shape[1]:
-        wide = (shape[1], shape[0])
-        if adjusted_ratio(spec, shape) == adjusted_ratio(spec, wide):
-            return wide, True
-    return tuple(shape), False
+def takes_stacks(spec: GroupSpec) -> bool:
+    """Whether the update may run on a (k, m, n) stack of same-shape matrices, one call for all
+    (batched products, on CUDA): Muon's, whose Newton-Schulz is per matrix and the rest per
+    element. A tall matrix stays with its own shape: its transposes lie elsewhere in the shard,
+    so a stack of both would be a copy, not a view (passes/sharded_update.py)."""
+    return spec.kind == "muon"

@@ -9,8 +9,9 @@ training steps contain after every pass outside those families (`tools/list_prog
 prints the ops of the tests' models), including torch.nn layers the families miss (dropout's
 `bernoulli`, GPT-2's causal mask `ones` and `tril`, GLU, Hardswish, PReLU, LogSigmoid,
 adaptive max pooling, the LSTM's CPU kernel), Muon's Newton-Schulz (`linalg_vector_norm`, and
-`baddbmm` where CUDA batches it), the attention kernels (the CUDA ones seen on an
-H200 with torch 2.11), MoE routing, and the collectives the passes emit.
+`diagonal_scatter` where CUDA batches it; `baddbmm`, in programs saved before), the attention
+kernels (the CUDA ones seen on an H200 with torch 2.11), MoE routing, and the collectives the
+passes emit.
 
 Whatever admits a name, an overload is refused unless its schema is functional: it mutates no
 argument (which keeps out the in-place forms and every `out=` overload) and returns only
@@ -37,8 +38,8 @@ EXPLICIT: dict[str, frozenset[str]] = {
         _scaled_dot_product_cudnn_attention _scaled_dot_product_cudnn_attention_backward
         _scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward
         _scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_for_cpu
-        _softmax_backward_data _unsafe_view adaptive_max_pool2d adaptive_max_pool3d bernoulli detach empty_like
-        floor_divide glu hardswish histc index lift_fresh_copy log_sigmoid_forward mkldnn_rnn_layer mse_loss
+        _softmax_backward_data _unsafe_view adaptive_max_pool2d adaptive_max_pool3d bernoulli detach diagonal_scatter
+        empty_like floor_divide glu hardswish histc index lift_fresh_copy log_sigmoid_forward mkldnn_rnn_layer mse_loss
         native_batch_norm_backward new_empty new_zeros nll_loss_forward
         ones ones_like pixel_shuffle pixel_unshuffle reshape split stack t transpose tril unbind
         zeros zeros_like

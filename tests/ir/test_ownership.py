@@ -76,6 +76,32 @@ def test_padding_of_a_bucket_laid_out_whole_is_within_its_bound(rows, world, ali
 
 @settings(max_examples=200, deadline=None)
 @given(params_st, worlds, aligns, caps)
+def test_a_ranks_same_shape_parameters_lie_next_to_each_other_in_its_shard(rows, world, align, cap):
+    """What lets CUDA's batched Newton-Schulz read a rank's same-shape matrices as one view:
+    in each rank's shard of a bucket laid out whole, no other shape lies between two of one
+    shape, and those of one shape keep the order given."""
+    params, whole, layout = _plan(rows, world, align, cap)
+    order = {p.fqn: i for i, p in enumerate(params)}
+    for bucket in layout.buckets:
+        if bucket.fqns[0] not in whole:
+            continue
+        for rank in range(world):
+            shapes = [bucket.slot(s.fqn).shape for s in bucket.slices(rank)]
+            runs = [shape for i, shape in enumerate(shapes) if i == 0 or shapes[i - 1] != shape]
+            assert len(runs) == len(set(runs))  # each shape in one run
+            for shape in set(shapes):
+                fqns = [s.fqn for s in bucket.slices(rank) if bucket.slot(s.fqn).shape == shape]
+                assert [order[f] for f in fqns] == sorted(order[f] for f in fqns)
+
+
+def test_a_run_keeps_kinds_together_in_order_of_first_appearance():
+    at = place([4, 4, 4, 4, 4], [1, 1, 1, 1, 1], 1, 1, kinds=["a", "b", "a", "c", "b"])
+    assert at.offsets == (0, 8, 4, 16, 12)  # a a b b c
+    assert place([4, 4], [1, 1], 1, 1).offsets == (0, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, worlds, aligns, caps)
 def test_elementwise_parameters_are_laid_out_as_without_ownership(rows, world, align, cap):
     """...as the same parameters planned without those updated whole (which get buckets of their own)."""
     params = [p for p, _ in rows]

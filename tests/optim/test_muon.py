@@ -18,6 +18,7 @@ from graphfuse.errors import GraphfuseError, UnsupportedError
 from graphfuse.ir.layout import ParamInfo, plan_buckets
 from graphfuse.passes import sharded_update
 from graphfuse.passes.sharded_update import whole_update_function
+from graphfuse.program_files.ops import admitted
 from tests.optim.lockstep import (
     assert_bitwise_lockstep,
     assert_same_torch_state,
@@ -236,35 +237,93 @@ def test_muon_and_adamw_on_a_transformer_are_bitwise_equal_to_torch(name):
             o.step()
 
 
-@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
-def test_same_shape_matrices_can_run_newton_schulz_batched(adjust):
-    """What CUDA runs (sharded_update batches the matrices of one gopt.stack_key a rank owns): on
-    three 8x12 matrices and a 12x8 one. With torch's default lr adjustment (which favours tall
-    matrices) the stack of three traces to baddbmm and the lone tall one to addmm; with
-    `match_rms_adamw` (the same factor for both orientations) the tall one joins the stack
-    transposed, four matrices in one baddbmm. Either agrees with one matrix at a time to
-    bfloat16's rounding (other kernels)."""
-    import dataclasses
-
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_same_shape_matrices_run_newton_schulz_batched_on_views_of_the_shard(world):
+    """What CUDA runs (whole_update_function(batched=True)): on three 8x12 matrices and two
+    12x8 ones, each rank's same-shape matrices lie next to each other (plan_buckets), so a stack
+    is a (k, m, n) view of the shard: no aten.stack, 3 bmm per Newton-Schulz step and stack and
+    no biased product. The momentum buffer is elementwise and bitwise equal to one matrix at a
+    time; the weights agree to bfloat16's rounding (other products:
+    test_batched_newton_schulz_is_as_accurate_as_torchs); the padding passes through untouched."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    spec = dataclasses.replace(_program(1, 0).optim.groups[0], adjust_lr_fn=adjust)
-    shapes = {"w0": (8, 12), "w1": (8, 12), "t": (12, 8), "w2": (8, 12)}
+    spec = _program(1, 0).optim.groups[0]
+    shapes = {"w0": (8, 12), "t0": (12, 8), "w1": (8, 12), "t1": (12, 8), "w2": (8, 12)}
     params = [ParamInfo(f, s, "float32", "cpu", 0) for f, s in shapes.items()]
-    bucket = plan_buckets(params, 1, 16, 1 << 20, whole=dict.fromkeys(shapes, 1)).buckets[0]
-    g = torch.Generator().manual_seed(0)
-    p, grad, buf = (torch.randn(bucket.shard_size, generator=g) for _ in range(3))
+    bucket = plan_buckets(params, world, 16 * 4, 1 << 20, whole=dict.fromkeys(shapes, 1)).buckets[0]
+    g = torch.Generator().manual_seed(world)
     scalars = (torch.tensor(0.02, dtype=torch.float64), torch.tensor(1 - 0.02 * 0.1, dtype=torch.float64))
-    one = whole_update_function(spec, bucket, 0)(p, grad, buf, *scalars)
+    for rank in range(world):
+        p, grad, buf = (torch.randn(bucket.shard_size, generator=g) for _ in range(3))
+        one = whole_update_function(spec, bucket, rank)(p, grad, buf, *scalars)
+        batched = whole_update_function(spec, bucket, rank, batched=True)
+        together = batched(p, grad, buf, *scalars)
+        assert torch.equal(one[1], together[1])
+        assert torch.allclose(one[0], together[0], atol=0.02 * 1.5**0.5 * 0.05, rtol=0)
+        members = torch.zeros(bucket.shard_size, dtype=torch.bool)
+        for s in bucket.slices(rank):
+            members[s.shard_start : s.shard_end] = True
+        assert torch.equal(together[0][~members], p[~members]) and torch.equal(together[1][~members], buf[~members])
+        assert not torch.equal(together[0][members], p[members])
+        mine = [bucket.slot(s.fqn).shape for s in bucket.slices(rank)]
+        stacks = len({shape for shape in mine})  # each shape's members lie next to each other: one stack each
+        # Traced as CUDA would run it, the shards on a device and the host scalars on the CPU (here
+        # "meta" stands for the device): nothing mixes the two, and nothing is made by a factory,
+        # whose device would be fixed at trace time.
+        gm = make_fx(batched)(*(t.to("meta") for t in (p, grad, buf)), *scalars)
+        counts = _counts(gm)
+        assert not [n for n in gm.graph.nodes if "device" in n.kwargs]
+        assert all(admitted(n.target) for n in gm.graph.nodes if n.op == "call_function")  # its program saves
+        assert counts.get("aten.bmm", 0) == 3 * 5 * stacks and counts.get("aten.baddbmm", 0) == 0
+        assert counts.get("aten.stack", 0) == 0 and counts.get("aten.addmm", 0) == 0
+
+
+def test_same_shape_matrices_with_padding_between_them_are_stacked_one_by_one():
+    """A 3x5 matrix takes 15 elements and its slot 16 (alignment): two of them are not one view,
+    so each is a stack of its own (still batched products, of one matrix each)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    spec = _program(1, 0).optim.groups[0]
+    params = [ParamInfo(f, (3, 5), "float32", "cpu", 0) for f in ("a", "b")]
+    bucket = plan_buckets(params, 1, 16 * 4, 1 << 20, whole={"a": 1, "b": 1}).buckets[0]
+    p, grad, buf = (torch.randn(bucket.shard_size) for _ in range(3))
+    scalars = (torch.tensor(0.02, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     batched = whole_update_function(spec, bucket, 0, batched=True)
-    together = batched(p, grad, buf, *scalars)
-    assert torch.equal(one[1], together[1])  # the momentum buffer is elementwise: the same
-    ratio = 1.5**0.5 if adjust == "original" else 0.2 * 12**0.5  # the largest lr factor
-    assert torch.allclose(one[0], together[0], atol=0.02 * ratio * 2**-6, rtol=0) and not torch.equal(p, together[0])
     counts = _counts(make_fx(batched)(p, grad, buf, *scalars))
-    lone = 2 * 5 if adjust == "original" else 0
-    assert counts.get("aten.baddbmm", 0) == 2 * 5 and counts.get("aten.addmm", 0) == lone
-    assert counts.get("aten.stack", 0) == 3
+    assert counts.get("aten.bmm", 0) == 3 * 5 * 2 and counts.get("aten.stack", 0) == 0
+    one = whole_update_function(spec, bucket, 0)(p, grad, buf, *scalars)
+    together = batched(p, grad, buf, *scalars)
+    assert torch.equal(one[1], together[1]) and torch.allclose(one[0], together[0], atol=0.02 * 0.05, rtol=0)
+    assert together[0][15] == p[15] and together[1][15] == buf[15]  # the padding after "a"
+
+
+@pytest.mark.parametrize(
+    ("shape", "rank"), [((8, 12), 8), ((12, 8), 8), ((64, 192), 64), ((192, 64), 64), ((128, 128), 128), ((16, 16), 4)]
+)
+def test_batched_newton_schulz_is_as_accurate_as_torchs(shape, rank):
+    """CUDA's batched Newton-Schulz folds a·x into the product, x <- (a·I + b·G + c·G²)·x, so
+    its bfloat16 roundings differ from torch's. Against the same iteration in float64, its
+    relative error over 32 matrices is within 1.2x of torch's own one-matrix form (measured 0.96x
+    to 1.12x). On a gradient of low rank (a 16x16 layer, 4 samples) both are far from float64
+    (about 0.4): the iteration grows rounding noise outside the gradient's span, so there the
+    two forms differ by as much as either differs from float64."""
+    from graphfuse.optim.matrix import newton_schulz
+
+    spec = _program(1, 0).optim.groups[0]
+    g = torch.Generator().manual_seed(0)
+    grads = torch.randn(32, shape[0], rank, generator=g) @ torch.randn(32, rank, shape[1], generator=g)
+    x = grads.double().mT if shape[0] > shape[1] else grads.double()
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    for _ in range(spec.ns_steps):
+        gram = x @ x.mT
+        x = spec.ns_a * x + (spec.ns_b * gram + spec.ns_c * gram @ gram) @ x
+    exact = x.mT if shape[0] > shape[1] else x
+
+    def error(y):
+        return ((y.double() - exact).norm() / exact.norm()).item()
+
+    torch_error = error(torch.stack([newton_schulz(g, spec) for g in grads]))
+    assert 0 < error(newton_schulz(grads, spec)) <= 1.2 * torch_error
 
 
 def _counts(gm: torch.fx.GraphModule) -> dict[str, int]:
@@ -278,8 +337,12 @@ def _counts(gm: torch.fx.GraphModule) -> dict[str, int]:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 def test_on_cuda_the_same_shape_matrices_a_rank_owns_run_newton_schulz_batched():
-    """Three 16x16 layers on CUDA: one stacked Newton-Schulz (5 steps of 2 baddbmm) instead of
-    three; the weights agree with torch.optim.Muon's to bfloat16's rounding (other kernels)."""
+    """Three 16x16 layers on CUDA: one stacked Newton-Schulz (5 steps of 3 bmm, no biased
+    product) instead of three; the weights agree with torch.optim.Muon's to bfloat16's rounding
+    of Newton-Schulz (other products and roundings, as accurate as torch's against float64:
+    test_batched_newton_schulz_is_as_accurate_as_torchs): per step, the root mean square of the
+    weights' difference within 0.05·lr (an entry of a 16x16 update is about 0.25; one entry
+    differed by 0.06 on an H100). The batches have 64 samples, so the gradients have full rank."""
     torch.manual_seed(0)
     m_ref = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16, bias=False), nn.Tanh()) for _ in range(3))).cuda()
     m_gf = copy.deepcopy(m_ref)
@@ -288,12 +351,12 @@ def test_on_cuda_the_same_shape_matrices_a_rank_owns_run_newton_schulz_batched()
         m_gf,
         torch.optim.Muon(m_gf.parameters(), lr=0.02),
         lambda m, b: m(b).square().mean(),
-        torch.randn(4, 16, device="cuda"),
+        torch.randn(64, 16, device="cuda"),
     )
     counts = passes.count_targets(dm.program)
-    assert counts.get("aten.baddbmm", 0) == 2 * 5 and counts.get("aten.addmm", 0) == 0
+    assert counts.get("aten.bmm", 0) == 3 * 5 and counts.get("aten.baddbmm", 0) == counts.get("aten.addmm", 0) == 0
     for i in range(3):
-        x = torch.randn(4, 16, device="cuda")
+        x = torch.randn(64, 16, device="cuda")
         o_ref.zero_grad()
         loss = m_ref(x).square().mean()
         loss.backward()
@@ -301,4 +364,5 @@ def test_on_cuda_the_same_shape_matrices_a_rank_owns_run_newton_schulz_batched()
         got = dm(x)  # the same weights at the first step; then within the tolerance below
         assert torch.equal(loss.detach(), got) if i == 0 else torch.allclose(loss.detach(), got, rtol=1e-2)
         for p, q in zip(m_ref.parameters(), m_gf.parameters()):
-            assert torch.allclose(p, q, atol=0.02 * 2**-6, rtol=0), (p - q).abs().max().item()
+            rms = (p - q).square().mean().sqrt().item()
+            assert rms <= (i + 1) * 0.02 * 0.05, rms
