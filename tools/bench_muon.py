@@ -1,7 +1,8 @@
 """Muon under ZeRO-1 (issue 32): graphfuse's step with Muon on the block matrices and AdamW on the
-rest, against graphfuse's own AdamW step and torch's three rows in one run (GPT-2 small, bf16
+rest, against graphfuse's own AdamW step and torch's rows in one run (GPT-2 small, bf16
 autocast, batch 8 x 1024): torch.compile(model + loss) with fused AdamW, the same with
-torch.optim.Muon + fused AdamW, and the same with torch.compile(muon.step). Then the plan at
+torch.optim.Muon + fused AdamW, the same with torch.compile(muon.step), and that with CUDA graphs
+(mode="reduce-overhead"; not yet run on a GPU). Then the plan at
 `--plan-world` ranks, traced without a process group: each rank's update work (the
 FLOPs flop_counter counts in its traced update, plus its elements; the busiest against the mean)
 and the padding whole-matrix ownership adds, as a share of bucket bytes; with
@@ -40,6 +41,7 @@ METHODS = [
     "torch_compile_adamw",
     "torch_compile_muon",
     "torch_compile_muon_compiled",
+    "torch_compile_muon_compiled_cudagraphs",
 ]
 
 
@@ -88,13 +90,19 @@ def make_step(method: str, model: torch.nn.Module, example, device: torch.device
             ),
         )
         return dm, lambda: None
-    closs = torch.compile(lambda b: loss_fn(model, b))  # the loss inside the compiled region: the peer's best case
+    # The loss inside the compiled region: the peer's best case; "_cudagraphs": CUDA graphs too (mode="reduce-overhead"
+    # for model + loss and for Muon's compiled step), as graphfuse's cuda_graphs rows.
+    graphs = method.endswith("_cudagraphs")
+    mode = "reduce-overhead" if graphs else None
+    closs = torch.compile(lambda b: loss_fn(model, b), mode=mode)
     steps = [o.step for o in opts]
-    if method == "torch_compile_muon_compiled":
-        steps[0] = torch.compile(opts[0].step)
+    if method.startswith("torch_compile_muon_compiled"):
+        steps[0] = torch.compile(opts[0].step, mode=mode)
     last = {}
 
     def step(b):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         loss = closs(b)
         loss.backward()
         sync(device)
@@ -214,7 +222,10 @@ def main() -> None:
     )
     rows = {}
     for method in [] if args.plan_only else args.methods:
-        rows[method] = time_method(method, cfg, args, device)
+        try:
+            rows[method] = time_method(method, cfg, args, device)
+        except Exception as e:  # one method failing (a peer's mode on this torch) keeps the others' rows
+            rows[method] = {"error": f"{type(e).__name__}: {e}"[:1000]}
         # each row as it is done, so that a run cut off (a device's time limit) keeps the rows before
         print(json.dumps({"partial": "bench_muon", "method": method, "result": rows[method]}), flush=True)
         gc.collect()
@@ -230,6 +241,9 @@ def main() -> None:
     for col in ("method", "step ms", "optimizer ms", "first step s", "peak GiB", "last loss"):
         table.add_column(col)
     for name, r in rows.items():
+        if "error" in r:
+            table.add_row(name, "failed: " + r["error"][:60], "-", "-", "-", "-")
+            continue
         table.add_row(
             name,
             f"{r['step_ms']:.2f}",
@@ -239,17 +253,20 @@ def main() -> None:
             f"{r['loss_last']:.4f}",
         )
     ratios = {}
-    if {"graphfuse_muon", "graphfuse_adamw"} <= rows.keys():
+    rows_ok = {m: r for m, r in rows.items() if "error" not in r}
+    if {"graphfuse_muon", "graphfuse_adamw"} <= rows_ok.keys():
         ratios["muon_over_adamw_graphfuse"] = rows["graphfuse_muon"]["step_ms"] / rows["graphfuse_adamw"]["step_ms"]
-    if {"graphfuse_muon_cudagraphs", "graphfuse_adamw_cudagraphs"} <= rows.keys():
+    if {"graphfuse_muon_cudagraphs", "graphfuse_adamw_cudagraphs"} <= rows_ok.keys():
         ratios["muon_over_adamw_graphfuse_cudagraphs"] = (
             rows["graphfuse_muon_cudagraphs"]["step_ms"] / rows["graphfuse_adamw_cudagraphs"]["step_ms"]
         )
-    for ours in ("graphfuse_muon", "graphfuse_muon_cudagraphs"):
-        if {ours, "torch_compile_muon_compiled"} <= rows.keys():
-            ratios[f"speedup_vs_torch_compile_muon_compiled{ours.removeprefix('graphfuse_muon')}"] = (
-                rows["torch_compile_muon_compiled"]["step_ms"] / rows[ours]["step_ms"]
-            )
+    for ours, theirs in (
+        ("graphfuse_muon", "torch_compile_muon_compiled"),
+        ("graphfuse_muon_cudagraphs", "torch_compile_muon_compiled"),
+        ("graphfuse_muon_cudagraphs", "torch_compile_muon_compiled_cudagraphs"),
+    ):
+        if {ours, theirs} <= rows_ok.keys():
+            ratios[f"{ours}_speedup_vs_{theirs}"] = rows[theirs]["step_ms"] / rows[ours]["step_ms"]
     owned = Table(
         title=f"Whole-matrix ownership at {layout['world_size']} ranks, {args.plan_optimizer} (traced, no group)"
     )
