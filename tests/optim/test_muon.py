@@ -211,6 +211,70 @@ def test_inspect_reports_each_ranks_owned_matrices_cost_and_padding():
     assert "c.weight, a.weight" in text and f"{ns['c'] + ns['a']:,}" in text
 
 
+class EmbeddingAndMatrices(nn.Module):
+    """A 1024x512 embedding (2 MiB in float32) and two small matrices: under Muon at 4 ranks the
+    embedding is larger than a fair share of its bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1024, 512)
+        self.a = nn.Linear(512, 16, bias=False)
+        self.b = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(self.embed(x))))
+
+
+@pytest.mark.parametrize("embedding_under", ["Muon", "AdamW"])
+def test_a_bucket_laid_out_whole_that_pads_past_a_fifth_is_reported_with_the_way_out(embedding_under, caplog):
+    """Never a silent memory cost: the plan_buckets pass warns (once per bucket) when a bucket laid
+    out whole is mostly padding, names the parameter past the fair share and the ways out; with
+    the embedding under AdamW (as torch's Muon documentation splits them) it stays quiet."""
+    from graphfuse.passes import plan_buckets as plan_pass
+
+    torch.manual_seed(0)
+    model = EmbeddingAndMatrices()
+    matrices = [model.a.weight, model.b.weight]
+    if embedding_under == "Muon":
+        optimizers = [torch.optim.Muon([model.embed.weight, *matrices], lr=0.02)]
+    else:
+        optimizers = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW([model.embed.weight], lr=1e-3)]
+    batch = (torch.randint(0, 1024, (4, 3)), torch.randn(4, 3, 16))
+    program = gf.capture(model, optimizers, loss_fn, batch, gf.Strategy())
+    with caplog.at_level("WARNING", logger="graphfuse"):
+        program = passes.run_pass(program.with_(world_size=4, rank=0, group_name="g"), plan_pass, check=True)
+    warned = [r.getMessage() for r in caplog.records if r.name == "graphfuse" and "updated whole" in r.getMessage()]
+    whole_bucket = next(b for b in program.layout.buckets if "a.weight" in b.fqns)
+    if embedding_under == "AdamW":
+        assert warned == [] and whole_bucket.size == whole_bucket.shard_size * 4
+        return
+    assert whole_bucket.size == 4 * 1024 * 512  # every shard as long as the embedding
+    data = 1024 * 512 + 512 * 16 + 16 * 16
+    (message,) = warned
+    assert f"{whole_bucket.size / data:.2f}x its parameters' elements at 4 ranks" in message
+    assert "embed.weight (524,288 elements) is larger than a fair share" in message
+    assert "put embed.weight under an elementwise optimizer" in message and "train on fewer ranks" in message
+
+
+def test_uneven_ownership_is_reported_and_a_small_or_even_bucket_is_not():
+    from graphfuse.passes.plan_buckets import WARN_PADDING_BYTES, whole_padding_warnings
+
+    def warnings_for(n: int, side: int, world: int, cap: int = 1 << 30) -> list[str]:
+        params = [ParamInfo(f"w{i}", (side, side), "float32", "cpu", 0) for i in range(n)]
+        whole = {p.fqn: 1 for p in params}
+        return whole_padding_warnings(plan_buckets(params, world, 16, cap, whole=whole), set(whole))
+
+    side = 1024  # 4 MiB a matrix
+    (message,) = warnings_for(4, side, 3)  # 2, 1, 1: every shard two matrices long, a third padding
+    assert "is 1.50x its parameters' elements at 3 ranks" in message and "do not divide evenly" in message
+    assert "bucket_bytes" not in message  # one bucket holds the group: a larger cap changes nothing
+    assert warnings_for(6, side, 3) == []  # two matrices a rank: no padding
+    assert 4 * 64 * 64 * 4 < WARN_PADDING_BYTES and warnings_for(4, 64, 3) == []  # a third, but under 1 MiB
+    # Split by the cap into buckets of one matrix each: raising it is one of the ways out.
+    split = warnings_for(4, side, 2, cap=side * side * 4)
+    assert len(split) == 4 and all("raise Strategy.bucket_bytes" in m for m in split)
+
+
 def hidden_and_rest(model: nn.Module) -> list[torch.optim.Optimizer]:
     """Muon for the hidden matrices, AdamW for embeddings, head, norms and biases (as torch's
     Muon documentation splits them)."""
