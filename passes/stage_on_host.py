@@ -56,7 +56,7 @@ def ensures(program: Program) -> None:
         expect(
             program,
             NAME,
-            src.target is aten._to_copy.default and src.kwargs.get("device") == HOST,
+            src.target is aten._to_copy.default and bool(src.kwargs.get("device") == HOST),
             f"{node.name} reads a host copy of its input",
         )
         wait = _wait_of(node)

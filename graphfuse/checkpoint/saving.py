@@ -174,7 +174,10 @@ def _side_group(dm: TrainingState):
     group = _side_groups[ranks]() if ranks in _side_groups else None
     if group is None:
         local = len(ranks) < dist.get_world_size()
-        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
+        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
+        if not isinstance(made, dist.ProcessGroup):  # NON_GROUP_MEMBER: this rank is one of `ranks`, so never
+            raise CheckpointError(f"torch.distributed.new_group({list(ranks)}) gave this rank no group ({made!r})")
+        group = made
         _side_groups[ranks] = hold(group)
     return group
 
