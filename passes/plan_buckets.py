@@ -18,7 +18,7 @@ from .graph import grad_nodes, position, ready_position
 log = logging.getLogger("graphfuse")
 
 NAME = "plan_buckets"
-# A bucket laid out whole whose padding passes both of these is reported (warn_whole_padding).
+# A bucket laid out whole whose padding passes both of these is reported (whole_padding_warnings).
 WARN_PADDING_SHARE = 0.2  # of the bucket's elements
 WARN_PADDING_BYTES = 1 << 20
 NEEDS: tuple[str, ...] = ()
@@ -98,7 +98,9 @@ def whole_padding_warnings(layout: BucketLayout, whole: set[str]) -> list[str]:
                 f"{b.world_size} ranks, and every shard is as long as the longest"
             )
         if len(siblings) > 1:
-            ways.append(f"raise Strategy.bucket_bytes (now {layout.bucket_bytes:,}): larger buckets share more evenly")
+            ways.append(
+                f"raise Strategy.bucket_size_mb (now {layout.bucket_bytes / 2**20:g}): larger buckets share more evenly"
+            )
         out.append(
             f"{b.name} (param group {b.group}, updated whole) is {b.size / data:.2f}x its parameters' elements "
             f"at {b.world_size} ranks ({padding * itemsize(b.dtype) / 2**20:,.1f} MiB of padding in the "

@@ -269,12 +269,12 @@ def test_uneven_ownership_is_reported_and_a_small_or_even_bucket_is_not():
     side = 1024  # 4 MiB a matrix
     (message,) = warnings_for(4, side, 3)  # 2, 1, 1: every shard two matrices long, a third padding
     assert "is 1.50x its parameters' elements at 3 ranks" in message and "do not divide evenly" in message
-    assert "bucket_bytes" not in message  # one bucket holds the group: a larger cap changes nothing
+    assert "bucket_size_mb" not in message  # one bucket holds the group: a larger cap changes nothing
     assert warnings_for(6, side, 3) == []  # two matrices a rank: no padding
     assert 4 * 64 * 64 * 4 < WARN_PADDING_BYTES and warnings_for(4, 64, 3) == []  # a third, but under 1 MiB
     # Split by the cap into buckets of one matrix each: raising it is one of the ways out.
     split = warnings_for(4, side, 2, cap=side * side * 4)
-    assert len(split) == 4 and all("raise Strategy.bucket_bytes" in m for m in split)
+    assert len(split) == 4 and all("raise Strategy.bucket_size_mb (now 4)" in m for m in split)
 
 
 def hidden_and_rest(model: nn.Module) -> list[torch.optim.Optimizer]:
