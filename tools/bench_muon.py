@@ -177,6 +177,7 @@ def plan(cfg: GPTConfig, world: int, batch: int, updated_whole: str = "muon") ->
     with torch.device("meta"):
         model = GPT(cfg)
     model = model.to_empty(device="cpu")
+    model.lm_head.weight = model.wte.weight  # to_empty made each its own Parameter: tie them again, as GPT does
     example = synthetic_tokens(cfg, batch, 1, seed=0)[0]
     program = gf.capture(model, optimizers(model, updated_whole, fused=False), loss_fn, example, gf.Strategy())
     program = run_pipeline(program.with_(world_size=world, rank=0, group_name="plan"))
