@@ -2,7 +2,11 @@
 rest, against graphfuse's own AdamW step and torch's rows in one run (GPT-2 small, bf16
 autocast, batch 8 x 1024): torch.compile(model + loss) with fused AdamW, the same with
 torch.optim.Muon + fused AdamW, the same with torch.compile(muon.step), and that with CUDA graphs
-(mode="reduce-overhead"; not yet run on a GPU). Then the plan at
+(mode="reduce-overhead"; not yet run on a GPU). torch's steps are timed twice: as a user's loop
+runs them (no synchronize inside: the host queues the optimizer's kernels while the GPU runs the
+backward), and, in steps of their own, with a synchronize before the optimizer, as
+../shared/repro/gpu_muon_baseline.py (the issue's table) times them; those give the optimizer's
+own ms. Then the plan at
 `--plan-world` ranks, traced without a process group: each rank's update work (the
 FLOPs flop_counter counts in its traced update, plus its elements; the busiest against the mean)
 and the padding whole-matrix ownership adds, as a share of bucket bytes; with
@@ -144,15 +148,21 @@ def time_method(method: str, cfg: GPTConfig, args, device: torch.device) -> dict
             first = time.perf_counter() - t0
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
-    if not method.startswith("graphfuse"):  # torch's rows: the optimizer alone, timed in steps of their own
+    synced = []  # torch's rows: the optimizer alone, timed in steps of their own (as ../shared/repro's baseline times
+    if not method.startswith("graphfuse"):  # its steps: with a synchronize before the optimizer)
         for b in batches[args.warmup :]:
+            sync(device)
+            t = time.perf_counter()
             step(b, time_optimizer=True)
+            sync(device)
+            synced.append(time.perf_counter() - t)
             opt_times.append(opt_s())
     top = kernels(step, batches[-3:]) if args.profile and device.type == "cuda" else None
     return {
         "top_kernels_ms": top,
         "step_ms": 1e3 * statistics.median(times),
         "optimizer_ms": 1e3 * statistics.median(opt_times) if opt_times else None,
+        "step_ms_synchronized_before_optimizer": 1e3 * statistics.median(synced) if synced else None,
         "first_step_s": first,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "loss_last": loss.item(),
@@ -246,15 +256,26 @@ def main() -> None:
     where = machine(device.type)
     shape = f"GPT {args.layers}x{args.embd}, vocab {args.vocab}, batch {args.batch}x{args.block}"
     table = Table(title=f"Muon + AdamW vs AdamW, {shape}, bf16 autocast ({where})")
-    for col in ("method", "step ms", "optimizer ms", "first step s", "peak GiB", "last loss"):
+    for col in (
+        "method",
+        "step ms",
+        "step ms, sync before opt.",
+        "optimizer ms",
+        "first step s",
+        "peak GiB",
+        "last loss",
+    ):
         table.add_column(col)
     for name, r in rows.items():
         if "error" in r:
-            table.add_row(name, "failed: " + r["error"][:60], "-", "-", "-", "-")
+            table.add_row(name, "failed: " + r["error"][:60], "-", "-", "-", "-", "-")
             continue
         table.add_row(
             name,
             f"{r['step_ms']:.2f}",
+            "-"
+            if r["step_ms_synchronized_before_optimizer"] is None
+            else f"{r['step_ms_synchronized_before_optimizer']:.2f}",
             "-" if r["optimizer_ms"] is None else f"{r['optimizer_ms']:.2f}",
             f"{r['first_step_s']:.1f}",
             "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
@@ -275,6 +296,10 @@ def main() -> None:
     ):
         if {ours, theirs} <= rows_ok.keys():
             ratios[f"{ours}_speedup_vs_{theirs}"] = rows[theirs]["step_ms"] / rows[ours]["step_ms"]
+            # against the peer's steps timed as the baseline times them (a synchronize before its optimizer)
+            ratios[f"{ours}_speedup_vs_{theirs}_synchronized"] = (
+                rows[theirs]["step_ms_synchronized_before_optimizer"] / rows[ours]["step_ms"]
+            )
     owned = Table(
         title=f"Whole-matrix ownership at {layout['world_size']} ranks, {args.plan_optimizer} (traced, no group)"
     )
