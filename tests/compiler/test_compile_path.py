@@ -262,7 +262,7 @@ def test_transformers_gpt2_and_llama_train_20_steps_like_eager_ddp_adamw(world):
             assert r["reductions"] == {1} and r["in_backward"] == r["buckets"] > 1, (name, r)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 def test_compile_path_on_cuda_trains_like_eager():
     torch._dynamo.reset()
     torch.manual_seed(0)
