@@ -2,7 +2,7 @@
 rest, against graphfuse's own AdamW step and torch's rows in one run (GPT-2 small, bf16
 autocast, batch 8 x 1024): torch.compile(model + loss) with fused AdamW, the same with
 torch.optim.Muon + fused AdamW, the same with torch.compile(muon.step), and that with CUDA graphs
-(mode="reduce-overhead"; not yet run on a GPU). torch's steps are timed twice: as a user's loop
+(mode="reduce-overhead"). torch's steps are timed twice: as a user's loop
 runs them (no synchronize inside: the host queues the optimizer's kernels while the GPU runs the
 backward), and, in steps of their own, with a synchronize before the optimizer, as
 ../shared/repro/gpu_muon_baseline.py (the issue's table) times them; those give the optimizer's
@@ -148,6 +148,7 @@ def time_method(method: str, cfg: GPTConfig, args, device: torch.device) -> dict
             first = time.perf_counter() - t0
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
+    loss_last = loss.item()  # before the steps below: a CUDA graph's replay writes its loss into the same memory
     synced = []  # torch's rows: the optimizer alone, timed in steps of their own (as ../shared/repro's baseline times
     if not method.startswith("graphfuse"):  # its steps: with a synchronize before the optimizer)
         for b in batches[args.warmup :]:
@@ -165,7 +166,7 @@ def time_method(method: str, cfg: GPTConfig, args, device: torch.device) -> dict
         "step_ms_synchronized_before_optimizer": 1e3 * statistics.median(synced) if synced else None,
         "first_step_s": first,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "loss_last": loss.item(),
+        "loss_last": loss_last,
     }
 
 
