@@ -149,8 +149,10 @@ def time_method(method: str, cfg: GPTConfig, args, device: torch.device) -> dict
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     loss_last = loss.item()  # before the steps below: a CUDA graph's replay writes its loss into the same memory
-    synced = []  # torch's rows: the optimizer alone, timed in steps of their own (as ../shared/repro's baseline times
-    if not method.startswith("graphfuse"):  # its steps: with a synchronize before the optimizer)
+    # torch's rows again, with a synchronize before the optimizer (as ../shared/repro's baseline times its steps):
+    # the optimizer's own time, and the step timed that way
+    synced = []
+    if not method.startswith("graphfuse"):
         for b in batches[args.warmup :]:
             sync(device)
             t = time.perf_counter()
@@ -292,6 +294,7 @@ def main() -> None:
         )
     for ours, theirs in (
         ("graphfuse_muon", "torch_compile_muon_compiled"),
+        ("graphfuse_muon", "torch_compile_muon_compiled_cudagraphs"),
         ("graphfuse_muon_cudagraphs", "torch_compile_muon_compiled"),
         ("graphfuse_muon_cudagraphs", "torch_compile_muon_compiled_cudagraphs"),
     ):
